@@ -1,0 +1,34 @@
+"""kvferry's connector settings, read from vLLM's kv_connector_extra_config."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from kvferry.connectors.memory import HARDWARE_BACKENDS, get_backend
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ConnectorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hardware_backend: Literal["cpu", "cuda", "neuron"] = "cpu"
+    nixl_backends: list[str] | None = None  # default: the memory backend's choice
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = Field(5600, ge=1, le=65535)  # + tp rank
+    handshake_timeout_s: float = Field(5.0, gt=0)
+    # P keeps a finished prefill's blocks this long for D to read, then frees them.
+    send_timeout_s: float = Field(120.0, gt=0)
+    # D abandons a READ that has not completed after this long (dead peer, stuck link).
+    recv_timeout_s: float = Field(30.0, gt=0)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        cfg = cls(**(extra or {}))
+        if cfg.hardware_backend not in HARDWARE_BACKENDS:
+            raise ValueError(f"unknown hardware_backend {cfg.hardware_backend}")
+        return cfg
+
+    def transport_backends(self) -> list[str]:
+        if self.nixl_backends:
+            return list(self.nixl_backends)
+        return list(get_backend(self.hardware_backend).default_nixl_backends)

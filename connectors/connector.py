@@ -1,0 +1,113 @@
+"""KvferryConnector: the class vLLM loads; thin glue onto PullScheduler / TransferWorker.
+
+Load it with ``kv_connector_module_path: kvferry.connectors.connector`` and
+``kv_connector: KvferryConnector`` (or just ``kv_connector: KvferryConnector`` once the
+``vllm.general_plugins`` entry point registered it). A request's path: the router sends
+P ``do_remote_decode``; P's scheduler keeps the blocks and returns a signed offer
+(`scheduler.PullScheduler.finished`); the router passes it to D; D's scheduler validates
+it and allocates blocks (`matched_tokens`, `after_alloc`); D's transfer thread READs
+(`worker.TransferWorker`) and notifies P, whose thread reports the blocks freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvferry.connectors import compat
+from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvferry.connectors.config import ConnectorConfig
+from kvferry.connectors.memory import get_backend
+from kvferry.connectors.scheduler import PullScheduler, StepMeta
+
+log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+
+class KvferryMeta(KVConnectorMetadata):
+    def __init__(self, step: StepMeta):
+        self.step = step
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        self.engine_id = str(ktc.engine_id)
+        self.block_size = vllm_config.cache_config.block_size
+        self._sched: PullScheduler | None = None
+        self._worker = None
+        self._bad_blocks: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            self._sched = PullScheduler(self.engine_id, self.cfg.side_channel_host,
+                                        self.cfg.side_channel_port, self.block_size, tp)
+
+    # -- scheduler side ----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        return self._sched.matched_tokens(request.request_id, request.prompt_token_ids or [],
+                                          request.kv_transfer_params, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        self._sched.after_alloc(request.request_id, compat.request_blocks(blocks),
+                                num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KvferryMeta(self._sched.take_meta())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.worker_done(set(connector_output.finished_sending or ()),
+                                set(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Any, block_ids: Any):
+        params = request.kv_transfer_params
+        log.debug("request_finished %s status=%s params=%s blocks=%s", request.request_id, request.status, params, block_ids)
+        return self._sched.finished(
+            request.request_id, request.status in compat.FINISHED_OK,
+            compat.first_group(block_ids), params, request.prompt_token_ids or [],
+        )
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._sched and self._sched.waiting_send)
+
+    # -- worker side -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from kvferry.connectors.worker import TransferWorker
+
+        rank, _ = compat.tp_rank_and_size()
+        n = compat.num_blocks(self._vllm_config, self._kv_cache_config)
+        layout = get_backend(self.cfg.hardware_backend).describe(kv_caches, n, self.block_size)
+        first = next(iter(kv_caches.values()))
+        log.info("kvferry: %d KV tensors like %s %s; %d blocks", len(kv_caches),
+                 tuple(first.shape), first.dtype, n)
+        self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KvferryMeta) and self._worker is not None:
+            self._worker.submit(meta.step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]):
+        if self._worker is None:
+            return None, None
+        res = self._worker.results()
+        self._bad_blocks |= res.bad_blocks
+        return (res.sent or None), (res.recvd or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._bad_blocks = self._bad_blocks, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

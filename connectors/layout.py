@@ -1,0 +1,72 @@
+"""Block ids -> transfer descriptors, merging contiguous runs.
+
+One descriptor per 32 KiB block moved ~5 GB/s on H200 NVLink; merged regions ~310 GB/s.
+So every (local, remote) pair list is cut into runs where both sides advance by one
+block, and each run of each plane becomes a single (address, length, device) triple.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from kvferry.connectors.memory import KVLayout
+
+
+class LayoutMismatch(ValueError):
+    """Two peers cannot copy block-for-block (different block size or plane shapes)."""
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    if local.signature() != remote.signature():
+        raise LayoutMismatch(
+            f"KV layouts differ: local (block_size, plane bytes)={local.signature()[0]}, "
+            f"{local.signature()[1][:4]}..., remote={remote.signature()[0]}, "
+            f"{remote.signature()[1][:4]}..."
+        )
+
+
+def runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(local_start, remote_start, count) runs where both id lists advance together."""
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"{len(local_ids)} local blocks vs {len(remote_ids)} remote blocks")
+    out: list[tuple[int, int, int]] = []
+    for lo, re in zip(local_ids, remote_ids, strict=True):
+        if out:
+            ls, rs, n = out[-1]
+            if lo == ls + n and re == rs + n:
+                out[-1] = (ls, rs, n + 1)
+                continue
+        out.append((lo, re, 1))
+    return out
+
+
+def _check_ids(layout: KVLayout, ids: Sequence[int], side: str) -> None:
+    for b in ids:
+        if not 0 <= b < layout.num_blocks:
+            raise IndexError(f"{side} block id {b} outside [0, {layout.num_blocks})")
+
+
+def descriptors(
+    local: KVLayout, remote: KVLayout, local_ids: Sequence[int], remote_ids: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 (addr, len, dev) arrays for both sides, same order, runs merged per plane."""
+    check_compatible(local, remote)
+    _check_ids(local, local_ids, "local")
+    _check_ids(remote, remote_ids, "remote")
+    rs = runs(local_ids, remote_ids)
+    loc: list[tuple[int, int, int]] = []
+    rem: list[tuple[int, int, int]] = []
+    for lp, rp in zip(local.planes, remote.planes, strict=True):
+        ldev = local.regions[lp.region].device_id
+        rdev = remote.regions[rp.region].device_id
+        dense = lp.stride == lp.block_bytes and rp.stride == rp.block_bytes
+        for ls, r0, n in rs:
+            if dense:
+                loc.append((lp.base + ls * lp.stride, n * lp.block_bytes, ldev))
+                rem.append((rp.base + r0 * rp.stride, n * rp.block_bytes, rdev))
+            else:
+                for i in range(n):
+                    loc.append((lp.base + (ls + i) * lp.stride, lp.block_bytes, ldev))
+                    rem.append((rp.base + (r0 + i) * rp.stride, rp.block_bytes, rdev))
+    return np.array(loc, dtype=np.uint64).reshape(-1, 3), np.array(rem, dtype=np.uint64).reshape(-1, 3)

@@ -1,0 +1,198 @@
+"""Memory backends: turn an engine's KV caches into regions NIXL can register.
+
+The connectors never look at tensors directly. A backend describes the KV caches as
+`Region`s (what to register: address, length, device, NIXL memory type) and `Plane`s
+(where block ``b`` of one paged array lives: ``base + b * stride``). Everything above
+(layout merging, transport) works on integers only, so a Neuron region built from a
+device virtual address looks exactly like a CUDA or DRAM one.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DRAM = "DRAM"
+VRAM = "VRAM"
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous memory range registered with NIXL once, at engine start."""
+
+    addr: int
+    length: int
+    device_id: int
+    mem_type: str  # DRAM | VRAM (NIXL has no Neuron type: Neuron HBM is VRAM)
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One paged array: block ``b`` occupies ``[base + b*stride, +block_bytes)``.
+
+    A per-layer cache shaped (2, num_blocks, ...) gives two planes (K and V);
+    (num_blocks, 2, ...) gives one plane whose block holds both.
+    """
+
+    region: int  # index into KVLayout.regions
+    base: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+
+    def block_addr(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} outside [0, {self.num_blocks})")
+        return self.base + block_id * self.stride
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """All planes of one engine rank, in a fixed order both peers agree on."""
+
+    regions: tuple[Region, ...]
+    planes: tuple[Plane, ...]
+    num_blocks: int
+    block_size: int  # tokens per block
+
+    def signature(self) -> tuple[int, tuple[int, ...]]:
+        """What two peers must share for a block-for-block copy."""
+        return self.block_size, tuple(p.block_bytes for p in self.planes)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "regions": [[r.addr, r.length, r.device_id, r.mem_type] for r in self.regions],
+            "planes": [[p.region, p.base, p.stride, p.block_bytes, p.num_blocks]
+                       for p in self.planes],
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> KVLayout:
+        return cls(
+            regions=tuple(Region(int(a), int(n), int(dev), str(t)) for a, n, dev, t in d["regions"]),
+            planes=tuple(Plane(*map(int, p)) for p in d["planes"]),
+            num_blocks=int(d["num_blocks"]),
+            block_size=int(d["block_size"]),
+        )
+
+
+def planes_of_array(
+    region: int,
+    base: int,
+    shape: Sequence[int],
+    strides_bytes: Sequence[int],
+    elem_bytes: int,
+    block_dim: int,
+) -> list[Plane]:
+    """Planes of one strided array whose dimension ``block_dim`` indexes blocks.
+
+    Dimensions before ``block_dim`` (e.g. the K/V axis) become separate planes; the
+    dimensions after it must be dense so one block is one contiguous byte range.
+    """
+    inner = shape[block_dim + 1:]
+    block_bytes = math.prod(inner) * elem_bytes
+    expect = elem_bytes
+    for size, st in zip(reversed(inner), reversed(strides_bytes[block_dim + 1:]), strict=True):
+        if size != 1 and st != expect:
+            raise ValueError(
+                f"KV block is not contiguous (shape {tuple(shape)}, strides {tuple(strides_bytes)})"
+            )
+        expect *= size
+    outer = shape[:block_dim]
+    planes = []
+    for idx in _ndindex(outer):
+        off = sum(i * s for i, s in zip(idx, strides_bytes[:block_dim], strict=True))
+        planes.append(Plane(region, base + off, strides_bytes[block_dim], block_bytes,
+                            shape[block_dim]))
+    return planes
+
+
+def _ndindex(shape: Sequence[int]):
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _ndindex(shape[1:]):
+            yield (i, *rest)
+
+
+class MemoryBackend(ABC):
+    """Where KV blocks live and how NIXL reaches them."""
+
+    name: str
+    mem_type: str
+    default_nixl_backends: tuple[str, ...]
+
+    @abstractmethod
+    def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int) -> KVLayout:
+        """Regions and planes of this rank's KV caches (layer order = dict order)."""
+
+
+class TorchMemoryBackend(MemoryBackend):
+    """KV caches that are torch tensors whose data_ptr() is the real address (CPU, CUDA)."""
+
+    def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int) -> KVLayout:
+        regions: list[Region] = []
+        region_of: dict[int, int] = {}
+        planes: list[Plane] = []
+        for name, t in kv_caches.items():
+            self._check_device(name, t)
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in region_of:
+                region_of[key] = len(regions)
+                regions.append(Region(key, storage.nbytes(), self._device_id(t), self.mem_type))
+            dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+            if not dims:
+                raise ValueError(f"{name}: no dimension of size num_blocks={num_blocks} in {tuple(t.shape)}")
+            es = t.element_size()
+            planes += planes_of_array(region_of[key], t.data_ptr(), list(t.shape),
+                                      [s * es for s in t.stride()], es, dims[0])
+        return KVLayout(tuple(regions), tuple(planes), num_blocks, block_size)
+
+    def _check_device(self, name: str, t: Any) -> None:
+        want = "cpu" if self.mem_type == DRAM else "cuda"
+        if t.device.type != want:
+            raise ValueError(f"{self.name} backend got {name} on {t.device}")
+
+    def _device_id(self, t: Any) -> int:
+        return 0 if t.device.type == "cpu" else int(t.device.index or 0)
+
+
+class CpuBackend(TorchMemoryBackend):
+    name = "cpu"
+    mem_type = DRAM
+    default_nixl_backends = ("UCX",)
+
+
+class CudaBackend(TorchMemoryBackend):
+    name = "cuda"
+    mem_type = VRAM
+    default_nixl_backends = ("UCX",)
+
+
+def _neuron_backend() -> MemoryBackend:
+    from kvferry.neuron.backend import NeuronBackend  # lazy: Neuron SDK only on trn hosts
+
+    return NeuronBackend()
+
+
+_BACKENDS: dict[str, Callable[[], MemoryBackend]] = {
+    "cpu": CpuBackend,
+    "cuda": CudaBackend,
+    "neuron": _neuron_backend,
+}
+HARDWARE_BACKENDS = tuple(_BACKENDS)
+
+
+def get_backend(name: str) -> MemoryBackend:
+    """The backend `--hardware-backend NAME` selects."""
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown hardware backend {name!r}; choose one of {HARDWARE_BACKENDS}") from None

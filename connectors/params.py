@@ -1,0 +1,91 @@
+"""kv_transfer_params: the only data that crosses the router between P and D.
+
+P returns a `RemotePrefill` offer after prefill; the router hands it to D unchanged.
+The offer is signed with a deployment secret (HMAC-SHA256) so D reads only block ids
+that a P of this deployment published: a client that talks to D directly cannot make it
+read someone else's blocks. A malformed, unsigned or mismatching offer is rejected with a
+reason, and D recomputes locally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+SECRET_ENV = "KVFERRY_SECRET"
+SIG = "kvferry_sig"
+
+
+class InvalidParams(ValueError):
+    """kv_transfer_params that must not drive a transfer."""
+
+
+class RemotePrefill(msgspec.Struct, forbid_unknown_fields=False):
+    """P's offer: where the prompt's KV lives and how to fetch it."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: list[int]
+    remote_request_id: str
+    remote_num_tokens: int
+    prompt_hash: str
+    remote_tp_size: int = 1
+    transfer_id: str = ""
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+
+
+def secret() -> bytes:
+    return os.environ.get(SECRET_ENV, "").encode()
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """Identity of the exact token sequence whose KV is offered."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(len(token_ids).to_bytes(8, "little"))
+    for t in token_ids:
+        h.update(int(t).to_bytes(4, "little", signed=False))
+    return h.hexdigest()
+
+
+def _mac(offer: RemotePrefill, key: bytes) -> str:
+    """MAC over the offer's own fields only: vLLM adds keys of its own on the way."""
+    payload = msgspec.json.encode(msgspec.to_builtins(offer), order="sorted")
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+
+
+def sign(offer: RemotePrefill, key: bytes | None = None) -> dict[str, Any]:
+    body = msgspec.to_builtins(offer)
+    body[SIG] = _mac(offer, secret() if key is None else key)
+    return body
+
+
+def parse_offer(params: Mapping[str, Any], key: bytes | None = None) -> RemotePrefill:
+    """Validate D's incoming params; raises InvalidParams with the reason."""
+    if not isinstance(params, Mapping):
+        raise InvalidParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    sig = params.get(SIG)
+    if not isinstance(sig, str):
+        raise InvalidParams("offer is not signed by a kvferry prefill engine")
+    try:
+        offer = msgspec.convert({k: v for k, v in params.items() if k in RemotePrefill.__struct_fields__},
+                                RemotePrefill)
+    except msgspec.ValidationError as e:
+        raise InvalidParams(f"malformed offer: {e}") from e
+    if not hmac.compare_digest(sig, _mac(offer, secret() if key is None else key)):
+        raise InvalidParams("offer signature does not match (tampered or another deployment)")
+    if any(b < 0 for b in offer.remote_block_ids):
+        raise InvalidParams("negative block id in offer")
+    if offer.remote_tp_size < 1 or not 0 < offer.remote_port < 65536:
+        raise InvalidParams("offer has an invalid tp size or port")
+    return offer
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

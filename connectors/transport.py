@@ -1,0 +1,158 @@
+"""The only module that calls NIXL.
+
+One `Transport` per engine rank: an agent with the configured backends, the rank's KV
+regions registered once, peers added from their handshake metadata, and READ/WRITE of
+block lists whose contiguous runs are merged into single descriptors before submission
+(NIXL is handed few large descriptors, not one per block). Not thread-safe by design:
+exactly one thread (the connector's transfer thread) owns a Transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvferry.connectors.layout import check_compatible, descriptors
+from kvferry.connectors.memory import KVLayout
+
+log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+
+class TransferError(RuntimeError):
+    """A NIXL operation failed; callers fall back to recomputation or fail the request."""
+
+
+@dataclass
+class Peer:
+    agent_name: str
+    layout: KVLayout
+
+
+@dataclass
+class Transfer:
+    handle: object
+    peer: str
+    nbytes: int
+    ndesc: int
+    state: str = "PROC"
+    tags: dict = field(default_factory=dict)
+
+
+class Transport:
+    def __init__(self, layout: KVLayout, backends: Sequence[str] = ("UCX",), name: str | None = None):
+        from nixl._api import nixl_agent, nixl_agent_config  # lazy: heavy native import
+
+        self.layout = layout
+        self.name = name or f"kvferry-{uuid.uuid4().hex[:12]}"
+        self.backends = list(backends)
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=self.backends))
+        missing = [b for b in self.backends if b not in self.agent.backends]
+        if missing:
+            raise TransferError(
+                f"NIXL backend(s) {missing} unavailable (plugins: {self.agent.get_plugin_list()})"
+            )
+        self._peers: dict[str, Peer] = {}
+        self._reg = None
+        if layout.regions:
+            mem_types = {r.mem_type for r in layout.regions}
+            if len(mem_types) != 1:
+                raise ValueError(f"mixed memory types in one layout: {mem_types}")
+            regs = [(r.addr, r.length, r.device_id, "") for r in layout.regions]
+            self._reg = self.agent.register_memory(regs, mem_types.pop(), backends=self.backends)
+        self.mem_type = layout.regions[0].mem_type if layout.regions else "DRAM"
+
+    # -- peers -------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, key: str, agent_metadata: bytes, layout: KVLayout) -> Peer:
+        """Add (or refresh) a remote agent; refuses layouts we cannot copy block-for-block."""
+        check_compatible(self.layout, layout)
+        old = self._peers.get(key)
+        if old is not None:
+            self._forget(old)
+        name = self.agent.add_remote_agent(agent_metadata)
+        if isinstance(name, bytes):
+            name = name.decode()
+        peer = Peer(name, layout)
+        self._peers[key] = peer
+        return peer
+
+    def peer(self, key: str) -> Peer | None:
+        return self._peers.get(key)
+
+    def drop_peer(self, key: str) -> None:
+        peer = self._peers.pop(key, None)
+        if peer is not None:
+            self._forget(peer)
+
+    def _forget(self, peer: Peer) -> None:
+        try:
+            self.agent.remove_remote_agent(peer.agent_name)
+        except Exception as e:  # peer may be half-gone already
+            log.debug("remove_remote_agent(%s): %s", peer.agent_name, e)
+
+    # -- transfers -----------------------------------------------------------------------
+    def start(self, op: str, peer: Peer, local_ids: Sequence[int], remote_ids: Sequence[int],
+              notif: bytes = b"") -> Transfer:
+        """Post a READ (remote -> local) or WRITE (local -> remote) of whole blocks."""
+        loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids)
+        nbytes = int(loc[:, 1].sum()) if len(loc) else 0
+        if not len(loc):  # nothing to move: still deliver the notification
+            if notif:
+                self.agent.send_notif(peer.agent_name, notif)
+            return Transfer(None, peer.agent_name, 0, 0, "DONE")
+        try:
+            ldl = self.agent.get_xfer_descs(loc, self.mem_type)
+            rdl = self.agent.get_xfer_descs(rem, peer.layout.regions[0].mem_type)
+            handle = self.agent.initialize_xfer(op, ldl, rdl, peer.agent_name, notif)
+            state = self.agent.transfer(handle)
+        except Exception as e:
+            raise TransferError(f"{op} to {peer.agent_name} failed to post: {e}") from e
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise TransferError(f"{op} to {peer.agent_name} failed at post")
+        return Transfer(handle, peer.agent_name, nbytes, len(loc), state)
+
+    def poll(self, xfer: Transfer) -> str:
+        """DONE | PROC | ERR; releases the NIXL handle once the transfer ends."""
+        if xfer.state != "PROC" or xfer.handle is None:
+            return xfer.state
+        try:
+            xfer.state = self.agent.check_xfer_state(xfer.handle)
+        except Exception as e:
+            log.warning("transfer to %s: %s", xfer.peer, e)
+            xfer.state = "ERR"
+        if xfer.state != "PROC":
+            self.release(xfer)
+        return xfer.state
+
+    def release(self, xfer: Transfer) -> None:
+        if xfer.handle is not None:
+            try:
+                self.agent.release_xfer_handle(xfer.handle)
+            except Exception as e:  # an in-flight handle may refuse release; NIXL aborts it
+                log.warning("release_xfer_handle: %s", e)
+            xfer.handle = None
+
+    # -- notifications ---------------------------------------------------------------------
+    def notify(self, peer: Peer, msg: bytes) -> None:
+        self.agent.send_notif(peer.agent_name, msg)
+
+    def notifications(self) -> list[bytes]:
+        out: list[bytes] = []
+        for msgs in self.agent.get_new_notifs().values():
+            out.extend(msgs)
+        return out
+
+    def close(self) -> None:
+        for key in list(self._peers):
+            self.drop_peer(key)
+        if self._reg is not None:
+            try:
+                self.agent.deregister_memory(self._reg, backends=self.backends)
+            except Exception as e:
+                log.debug("deregister_memory: %s", e)
+            self._reg = None

@@ -1,0 +1,196 @@
+"""Worker-side transfers, on one background thread per engine rank.
+
+The engine loop only hands tasks over (`submit`) and collects results (`results`); the
+handshake, descriptor building, NIXL posting and polling all happen on the transfer
+thread, so a slow or dead peer never stalls token generation.
+
+P side: blocks of a finished prefill wait until D's completion notification (or a
+timeout) and are then reported as finished-sending, which frees them in vLLM.
+D side: each READ ends as finished-receiving; a failed or timed-out READ also reports
+its local block ids as load errors, so vLLM recomputes (or fails, per policy).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvferry.connectors.config import ConnectorConfig
+from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
+from kvferry.connectors.memory import KVLayout
+from kvferry.connectors.scheduler import RecvTask, StepMeta
+from kvferry.connectors.transport import Peer, Transfer, TransferError, Transport
+
+log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+DONE_PREFIX = b"kvferry/done/"
+
+
+@dataclass
+class _Results:
+    sent: set[str] = field(default_factory=set)
+    recvd: set[str] = field(default_factory=set)
+    bad_blocks: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Read:
+    task: RecvTask
+    xfer: Transfer
+    deadline: float
+    started: float
+
+
+class TransferWorker:
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int, layout: KVLayout):
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.rank = rank
+        self.transport = Transport(layout, cfg.transport_backends(),
+                                   name=f"kvferry-{engine_id}-r{rank}")
+        self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
+            "engine_id": engine_id, "rank": rank,
+            "metadata": self.transport.metadata(), "layout": layout.to_wire(),
+        })
+        self._inbox: queue.Queue[StepMeta] = queue.Queue()
+        self._lock = threading.Lock()
+        self._out = _Results()
+        self._stop = threading.Event()
+        # transfer-thread state
+        self._reads: dict[str, _Read] = {}
+        self._send_wait: dict[str, float] = {}
+        self._early: dict[str, float] = {}
+        self._hold: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name=f"kvferry-xfer-r{rank}", daemon=True)
+        self._thread.start()
+        log.info("kvferry worker %s rank %d: %d regions, %d planes, side channel %s",
+                 engine_id, rank, len(layout.regions), len(layout.planes), self._server.address)
+
+    # -- engine thread -----------------------------------------------------------------
+    def submit(self, meta: StepMeta) -> None:
+        if meta.recv or meta.send or meta.hold:
+            self._inbox.put(meta)
+
+    def results(self) -> _Results:
+        with self._lock:
+            out, self._out = self._out, _Results()
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._server.close()
+        self.transport.close()
+
+    # -- transfer thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = bool(self._reads)
+            try:
+                meta = self._inbox.get(timeout=0.0005 if busy else 0.01)
+                self._accept(meta)
+            except queue.Empty:
+                pass
+            try:
+                self._progress()
+            except Exception:  # never let the thread die: requests would hang
+                log.exception("kvferry transfer thread")
+
+    def _accept(self, meta: StepMeta) -> None:
+        now = time.monotonic()
+        for req_id in meta.send:
+            if self._early.pop(req_id, None) is not None:
+                self._report(sent={req_id})
+            else:
+                self._send_wait[req_id] = now + self.cfg.send_timeout_s
+        self._hold.update(meta.hold)
+        for task in meta.recv:
+            self._start_read(task, now)
+        for req_id in list(self._hold):  # hold for a READ that already ended
+            if req_id not in self._reads:
+                self._hold.discard(req_id)
+                self._report(sent={req_id})
+
+    def _peer(self, task: RecvTask) -> Peer:
+        o = task.offer
+        key = f"{o.remote_engine_id}/{self.rank}"
+        peer = self.transport.peer(key)
+        if peer is None:
+            info = fetch(o.remote_host, o.remote_port + self.rank, self.cfg.handshake_timeout_s)
+            if info.get("engine_id") != o.remote_engine_id:
+                raise HandshakeError(
+                    f"{o.remote_host}:{o.remote_port} is engine {info.get('engine_id')!r}, "
+                    f"offer names {o.remote_engine_id!r}")
+            peer = self.transport.add_peer(key, info["metadata"], KVLayout.from_wire(info["layout"]))
+        return peer
+
+    def _start_read(self, task: RecvTask, now: float) -> None:
+        notif = DONE_PREFIX + task.offer.remote_request_id.encode()
+        try:
+            peer = self._peer(task)
+            if task.release_only:
+                self.transport.notify(peer, notif)
+                return
+            xfer = self.transport.start("READ", peer, task.local_block_ids,
+                                        task.remote_block_ids, notif)
+        except (HandshakeError, TransferError, ValueError, IndexError) as e:
+            if task.release_only:
+                log.warning("could not tell %s to free %s: %s", task.offer.remote_engine_id,
+                            task.offer.remote_request_id, e)
+                return
+            log.warning("request %s: READ from %s failed (%s); recomputing", task.req_id,
+                        task.offer.remote_engine_id, e)
+            self.transport.drop_peer(f"{task.offer.remote_engine_id}/{self.rank}")
+            self._fail(task)
+            return
+        self._reads[task.req_id] = _Read(task, xfer, now + self.cfg.recv_timeout_s, now)
+
+    def _progress(self) -> None:
+        now = time.monotonic()
+        for req_id, rd in list(self._reads.items()):
+            state = self.transport.poll(rd.xfer)
+            if state == "PROC" and now < rd.deadline:
+                continue
+            del self._reads[req_id]
+            if state == "DONE":
+                log.debug("READ %s: %d B in %d desc, %.1f ms", req_id, rd.xfer.nbytes,
+                          rd.xfer.ndesc, (now - rd.started) * 1e3)
+                self._report(recvd={req_id})
+            else:
+                log.warning("request %s: READ %s; recomputing", req_id,
+                            "timed out" if state == "PROC" else "failed")
+                self.transport.release(rd.xfer)
+                self.transport.drop_peer(f"{rd.task.offer.remote_engine_id}/{self.rank}")
+                self._fail(rd.task)
+            if req_id in self._hold:
+                self._hold.discard(req_id)
+                self._report(sent={req_id})
+        for msg in self.transport.notifications():
+            if msg.startswith(DONE_PREFIX):
+                req_id = msg[len(DONE_PREFIX):].decode(errors="replace")
+                if self._send_wait.pop(req_id, None) is not None:
+                    self._report(sent={req_id})
+                else:
+                    self._early[req_id] = now + self.cfg.send_timeout_s
+        for req_id, deadline in list(self._send_wait.items()):
+            if now >= deadline:
+                log.warning("request %s: no decode read its KV within %.0fs; freeing",
+                            req_id, self.cfg.send_timeout_s)
+                del self._send_wait[req_id]
+                self._report(sent={req_id})
+        for req_id, deadline in list(self._early.items()):
+            if now >= deadline:
+                del self._early[req_id]
+
+    def _fail(self, task: RecvTask) -> None:
+        with self._lock:
+            self._out.recvd.add(task.req_id)
+            self._out.bad_blocks.update(task.local_block_ids)
+
+    def _report(self, sent: set[str] = frozenset(), recvd: set[str] = frozenset()) -> None:
+        with self._lock:
+            self._out.sent |= sent
+            self._out.recvd |= recvd

@@ -1,0 +1,305 @@
+"""Is this host ready for device-to-device KV transfer on Trainium?
+
+Each check returns a :class:`Finding` that says what was found and, when something is
+missing, what to do about it. ``python -m kvferry.neuron.envcheck`` prints the report and
+exits 1 when a blocking problem would stop NIXL's LIBFABRIC backend from moving Neuron
+HBM directly (the engine would then need ``neuron_staging: host``).
+
+Order matters on Neuron: libfabric decides whether FI_HMEM_NEURON is available when it
+initialises, so the Neuron runtime must already be up. :func:`init_order` does that
+(``nrt_init`` first, then load libfabric) and refuses to continue silently when libfabric
+is already in the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OK, MISSING, WARN = "ok", "missing", "warn"
+MIN_LIBFABRIC = (1, 21)
+MIN_HWLOC = (2, 10)
+LIBFABRIC_DIRS = ("/opt/amazon/efa/lib", "/opt/amazon/efa/lib64")
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: str  # ok | missing | warn
+    detail: str
+    fix: str = ""
+    blocking: bool = False
+
+    def line(self) -> str:
+        mark = {OK: "[ ok ]", MISSING: "[FAIL]" if self.blocking else "[miss]", WARN: "[warn]"}
+        s = f"{mark[self.status]} {self.check}: {self.detail}"
+        return s + (f"\n       -> {self.fix}" if self.fix else "")
+
+
+def _ok(check: str, detail: str) -> Finding:
+    return Finding(check, OK, detail)
+
+
+# -- shared-library discovery ---------------------------------------------------------------
+def _ldconfig_paths(soname: str) -> list[str]:
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [ln.rsplit("=>", 1)[1].strip() for ln in out.splitlines()
+            if ln.strip().startswith(soname + " ") and "=>" in ln]
+
+
+def find_library(soname: str, extra_dirs: tuple[str, ...] = ()) -> str | None:
+    """First path of ``soname``: explicit dirs, LD_LIBRARY_PATH, then the ldconfig cache."""
+    dirs = list(extra_dirs) + [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    for d in dirs:
+        p = os.path.join(d, soname)
+        if os.path.exists(p):
+            return p
+    found = _ldconfig_paths(soname)
+    return found[0] if found else None
+
+
+def libfabric_version(path: str) -> tuple[int, int]:
+    """fi_version() of the library at ``path`` (FI_MAJOR = v >> 16, FI_MINOR = v & 0xffff)."""
+    lib = ctypes.CDLL(path)
+    lib.fi_version.restype = ctypes.c_uint32
+    lib.fi_version.argtypes = []
+    v = lib.fi_version()
+    return v >> 16, v & 0xFFFF
+
+
+def libfabric_loaded() -> str | None:
+    """Path of a libfabric already mapped into this process, if any."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for ln in maps.splitlines():
+        if "libfabric.so" in ln:
+            return ln.split()[-1]
+    return None
+
+
+# -- checks ---------------------------------------------------------------------------------
+def check_libnrt() -> Finding:
+    from kvferry.neuron import libnrt
+
+    try:
+        lib = libnrt.load()
+    except libnrt.LibnrtNotFound as e:
+        return Finding("libnrt", MISSING, str(e).split(". Install")[0],
+                       "install aws-neuronx-runtime-lib (Neuron SDK apt repo) or set "
+                       f"${libnrt.ENV_LIBNRT}", blocking=True)
+    extra = "" if lib.has_efa_bdf else " (no nrt_get_attached_efa_bdf: runtime < 2.31, "\
+        "NIXL will use all EFA rails)"
+    return _ok("libnrt", f"loaded {lib.path}{extra}")
+
+
+def check_libfabric(path: str | None = None) -> Finding:
+    path = path or find_library("libfabric.so.1", LIBFABRIC_DIRS)
+    fix = ("install the AWS EFA installer (aws-efa-installer, provides /opt/amazon/efa/lib/"
+           "libfabric.so.1 >= 1.21 with Neuron HMEM) or build libfabric >= 1.21")
+    if not path:
+        return Finding("libfabric", MISSING, "libfabric.so.1 not found (NIXL LIBFABRIC backend "
+                       "cannot load)", fix, blocking=True)
+    try:
+        major, minor = libfabric_version(path)
+    except (OSError, AttributeError) as e:
+        return Finding("libfabric", MISSING, f"{path} unusable: {e}", fix, blocking=True)
+    if (major, minor) < MIN_LIBFABRIC:
+        return Finding("libfabric", MISSING, f"{path} is {major}.{minor}, need >= "
+                       f"{MIN_LIBFABRIC[0]}.{MIN_LIBFABRIC[1]}", fix, blocking=True)
+    return _ok("libfabric", f"{path} version {major}.{minor}")
+
+
+def check_hwloc(path: str | None = None) -> Finding:
+    path = path or find_library("libhwloc.so.15")
+    fix = ("apt install libhwloc15 (>= 2.10; Debian 12 ships 2.9: build hwloc 2.10+ "
+           "or use AL2023/Ubuntu 24.04)")
+    if not path:
+        return Finding("hwloc", MISSING, "libhwloc.so.15 not found (NIXL LIBFABRIC uses it to "
+                       "find Neuron devices and EFA topology)", fix, blocking=True)
+    try:
+        lib = ctypes.CDLL(path)
+        lib.hwloc_get_api_version.restype = ctypes.c_uint
+        v = lib.hwloc_get_api_version()
+    except (OSError, AttributeError) as e:
+        return Finding("hwloc", MISSING, f"{path} unusable: {e}", fix, blocking=True)
+    ver = (v >> 16, (v >> 8) & 0xFF)
+    if ver < MIN_HWLOC:
+        return Finding("hwloc", WARN, f"{path} API {ver[0]}.{ver[1]} < 2.10", fix)
+    return _ok("hwloc", f"{path} API {ver[0]}.{ver[1]}")
+
+
+def check_nixl_plugin() -> Finding:
+    """Is NIXL's LIBFABRIC plugin installed and are its system dependencies resolvable?"""
+    spec = importlib.util.find_spec("nixl")
+    if spec is None or not spec.submodule_search_locations:
+        return Finding("nixl-libfabric", MISSING, "nixl is not installed", "pip install nixl",
+                       blocking=True)
+    site = Path(next(iter(spec.submodule_search_locations))).parent
+    plugins = sorted(glob.glob(str(site / ".nixl*libs" / "plugins" / "libplugin_LIBFABRIC.so")))
+    plugins += glob.glob(os.path.join(os.environ.get("NIXL_PLUGIN_DIR", "/nonexistent"),
+                                      "libplugin_LIBFABRIC.so"))
+    if not plugins:
+        return Finding("nixl-libfabric", MISSING, "no libplugin_LIBFABRIC.so in the nixl wheel",
+                       "install a nixl build with the LIBFABRIC plugin (>= 0.10)", blocking=True)
+    ldd = shutil.which("ldd")
+    if ldd:
+        out = subprocess.run([ldd, plugins[-1]], capture_output=True, text=True, timeout=20).stdout
+        missing = sorted({ln.split()[0] for ln in out.splitlines() if "not found" in ln})
+        if missing:
+            return Finding("nixl-libfabric", MISSING, f"{plugins[-1]} cannot resolve "
+                           + ", ".join(missing),
+                           "install those libraries (Neuron hosts: EFA installer for libfabric, "
+                           "the Neuron libcuda stub for libcuda/libcudart)", blocking=True)
+    return _ok("nixl-libfabric", plugins[-1])
+
+
+def check_init_order() -> Finding:
+    loaded = libfabric_loaded()
+    from kvferry.neuron import libnrt
+
+    nrt_up = libnrt.is_loaded() and libnrt.load().initialized
+    if loaded and not nrt_up:
+        return Finding("init-order", MISSING, f"{loaded} was loaded before nrt_init: "
+                       "FI_HMEM_NEURON will be missing",
+                       "call kvferry.neuron.envcheck.init_order() before importing anything "
+                       "that loads libfabric (nixl agents, torch-neuronx collectives)",
+                       blocking=True)
+    return _ok("init-order", "nrt_init precedes libfabric in this process"
+               if nrt_up else "libfabric not yet loaded; use init_order() at engine start")
+
+
+def check_efa_devices(sysfs: str = "/sys/class/infiniband") -> Finding:
+    devs = []
+    for d in sorted(glob.glob(os.path.join(sysfs, "*"))):
+        drv = os.path.join(d, "device", "driver")
+        name = os.path.basename(d)
+        if "efa" in name or (os.path.islink(drv) and os.path.basename(os.readlink(drv)) == "efa"):
+            devs.append(name)
+    if devs:
+        return _ok("efa-devices", f"{len(devs)} EFA device(s): {', '.join(devs)}")
+    fi_info = shutil.which("fi_info")
+    if fi_info:
+        r = subprocess.run([fi_info, "-p", "efa"], capture_output=True, text=True, timeout=20)
+        if r.returncode == 0 and "provider: efa" in r.stdout:
+            return _ok("efa-devices", "fi_info -p efa lists the efa provider")
+    return Finding("efa-devices", MISSING, f"no EFA device in {sysfs} and `fi_info -p efa` "
+                   "shows none", "launch on an EFA-enabled instance (trn2/p5en) with EFA "
+                   "interfaces attached and the efa kernel module loaded", blocking=True)
+
+
+def check_shm(colocated: bool, env: Mapping[str, str]) -> Finding:
+    v = env.get("FI_EFA_ENABLE_SHM_TRANSFER")
+    if not colocated:
+        return _ok("efa-shm", "P and D on separate instances; FI_EFA_ENABLE_SHM_TRANSFER "
+                   f"{'unset' if v is None else '=' + v}")
+    if v == "0":
+        return _ok("efa-shm", "FI_EFA_ENABLE_SHM_TRANSFER=0 (required with P and D on one instance)")
+    return Finding("efa-shm", MISSING, f"P and D share this instance but FI_EFA_ENABLE_SHM_TRANSFER="
+                   f"{v!r}", "export FI_EFA_ENABLE_SHM_TRANSFER=0 for every engine on this host",
+                   blocking=True)
+
+
+def check_hmem(env: Mapping[str, str]) -> Finding:
+    hints = []
+    if env.get("FI_EFA_USE_DEVICE_RDMA") != "1":
+        hints.append("set FI_EFA_USE_DEVICE_RDMA=1")
+    if env.get("FI_HMEM") not in (None, "", "neuron"):
+        hints.append(f"FI_HMEM={env['FI_HMEM']!r} excludes neuron")
+    fi_info = shutil.which("fi_info")
+    detail = "cannot verify FI_HMEM support (fi_info not found)"
+    if fi_info:
+        r = subprocess.run([fi_info, "-p", "efa", "-c", "FI_HMEM"], capture_output=True,
+                           text=True, timeout=20)
+        if r.returncode == 0 and "provider: efa" in r.stdout:
+            detail = "efa provider reports FI_HMEM"
+        else:
+            detail = "efa provider does not report FI_HMEM: NIXL falls back to system-memory "\
+                "registration (silent slow path)"
+            hints.append("use a libfabric built with Neuron HMEM (AWS EFA installer)")
+    if hints:
+        return Finding("fi-hmem", WARN, detail, "; ".join(hints))
+    return _ok("fi-hmem", detail)
+
+
+def init_order(lib_path: str | None = None) -> tuple[object, str | None]:
+    """Initialise the Neuron runtime, then load libfabric: the only order that enables
+    FI_HMEM_NEURON. Returns (libnrt handle, libfabric path or None).
+
+    Raises RuntimeError if libfabric is already in the process without the runtime up.
+    """
+    from kvferry.neuron import libnrt
+
+    pre = libfabric_loaded()
+    lib = libnrt.load()
+    if pre and not lib.initialized:
+        raise RuntimeError(f"libfabric ({pre}) was loaded before nrt_init; start the Neuron "
+                           "runtime before creating NIXL agents")
+    lib.init()
+    path = lib_path or find_library("libfabric.so.1", LIBFABRIC_DIRS)
+    if path:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return lib, path
+
+
+def run_checks(colocated: bool = False, env: Mapping[str, str] | None = None,
+               init_runtime: bool = True) -> list[Finding]:
+    """All findings, runtime first so the libfabric probe happens in the right order."""
+    env = os.environ if env is None else env
+    findings = [check_libnrt()]
+    if init_runtime and findings[0].status == OK:
+        from kvferry.neuron import libnrt
+
+        try:
+            libnrt.load().init()
+        except libnrt.NrtError as e:
+            findings.append(Finding("nrt-init", MISSING, str(e), "check the Neuron driver "
+                                    "(neuron-ls) and NEURON_RT_VISIBLE_CORES", blocking=True))
+    checks: list[Callable[[], Finding]] = [
+        check_init_order, check_libfabric, check_hwloc, check_nixl_plugin, check_efa_devices,
+        lambda: check_shm(colocated, env), lambda: check_hmem(env),
+    ]
+    findings += [c() for c in checks]
+    return findings
+
+
+def blocking(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.blocking and f.status != OK]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvferry.neuron.envcheck", description=__doc__)
+    ap.add_argument("--colocated", action="store_true",
+                    help="prefill and decode engines share this instance")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--no-init", action="store_true", help="do not call nrt_init")
+    args = ap.parse_args(argv)
+    findings = run_checks(args.colocated, init_runtime=not args.no_init)
+    bad = blocking(findings)
+    if args.json:
+        print(json.dumps({"ok": not bad, "findings": [asdict(f) for f in findings]}, indent=2))
+    else:
+        for f in findings:
+            print(f.line())
+        print(f"\n{len(bad)} blocking problem(s)" + (": use neuron_staging='host' until fixed"
+                                                    if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

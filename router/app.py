@@ -1,0 +1,164 @@
+"""FastAPI app: the OpenAI-compatible front door of kvferry.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (prefill -> decode, see
+kvferry.router.flow), GET /v1/models (proxied from a decode engine), GET /health
+(`?deep=true` also probes every engine), GET /metrics (Prometheus).
+Per-request mode: header `x-kvferry-mode` or body field `kvferry_mode`, else the default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from . import bodies
+from .errors import RouterError, error_body, from_status, from_transport
+from .flow import HDR_DECODE, FlowContext, forward_headers, run_request
+from .metrics import RouterMetrics
+from .settings import MODES, Mode, RouterSettings
+from .upstreams import UpstreamPool
+
+log = logging.getLogger(__name__)
+
+
+def _bad_request(message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, 400, "invalid_request_error"), status_code=400)
+
+
+def resolve_mode(settings: RouterSettings, header: str | None, body: dict[str, Any]) -> Mode:
+    """Mode for one request; raises ValueError with a client-facing message."""
+    raw = header or body.get("kvferry_mode") or settings.mode
+    if raw not in MODES:
+        raise ValueError(f"unknown mode {raw!r}; expected one of {', '.join(MODES)}")
+    if raw == "push" and not settings.push_enabled:
+        raise ValueError("push mode not enabled")
+    return raw  # type: ignore[return-value]
+
+
+def create_app(settings: RouterSettings) -> FastAPI:
+    """Build a router app; the httpx client lives for the app's lifespan."""
+    metrics = RouterMetrics()
+    prefill = UpstreamPool("prefill", settings.prefill_urls, metrics.in_flight)
+    decode = UpstreamPool("decode", settings.decode_urls, metrics.in_flight)
+    holder: dict[str, FlowContext] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+        )
+        # trust_env=False: proxy variables must never divert engine traffic.
+        async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+            holder["ctx"] = FlowContext(client, settings, prefill, decode, metrics)
+            yield
+            pending = list(holder["ctx"].background)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    app = FastAPI(title="kvferry router", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics
+
+    async def handle(request: Request, endpoint: str, path: str) -> Response:
+        ctx = holder["ctx"]
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _bad_request("request body must be JSON")
+        if not isinstance(body, dict):
+            return _bad_request("request body must be a JSON object")
+        try:
+            mode = resolve_mode(settings, request.headers.get("x-kvferry-mode"), body)
+        except ValueError as exc:
+            metrics.errors.labels(endpoint=endpoint, leg="router", kind="bad_mode").inc()
+            return _bad_request(str(exc))
+        metrics.requests.labels(endpoint=endpoint, mode=mode).inc()
+        try:
+            return await run_request(ctx, endpoint, path, body, request.headers, mode)
+        except RouterError as err:
+            metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
+            log.warning("request failed: %s", err.message)
+            return err.response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, bodies.COMPLETIONS, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, bodies.CHAT, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """D serves the answers, so D's model list is the one clients must see."""
+        ctx = holder["ctx"]
+        with decode.lease() as d:
+            try:
+                resp = await ctx.client.get(
+                    d.url + "/v1/models",
+                    headers=forward_headers(request.headers, "models"),
+                    timeout=ctx.timeout("probe"),
+                )
+            except httpx.HTTPError as exc:
+                err = from_transport(exc, "decode", d.url)
+                metrics.errors.labels(endpoint="models", leg=err.leg, kind=err.kind).inc()
+                return err.response({HDR_DECODE: d.url})
+        if resp.status_code >= 500:
+            err = from_status(resp.status_code, resp.text, "decode", d.url)
+            return err.response({HDR_DECODE: d.url})
+        return Response(
+            resp.content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "application/json"),
+            headers={HDR_DECODE: d.url},
+        )
+
+    @app.get("/health")
+    async def health(deep: bool = False) -> JSONResponse:
+        """Router liveness; with deep=true, 503 unless every engine's /health is 200."""
+        out: dict[str, Any] = {
+            "status": "ok",
+            "prefill": [{"url": u.url, "in_flight": u.in_flight} for u in prefill.upstreams],
+            "decode": [{"url": u.url, "in_flight": u.in_flight} for u in decode.upstreams],
+        }
+        if not deep:
+            return JSONResponse(out)
+        ctx = holder["ctx"]
+        entries = out["prefill"] + out["decode"]
+
+        async def probe(entry: dict[str, Any]) -> None:
+            try:
+                r = await ctx.client.get(entry["url"] + "/health", timeout=ctx.timeout("probe"))
+                entry["healthy"] = r.status_code == 200
+            except httpx.HTTPError:
+                entry["healthy"] = False
+
+        await asyncio.gather(*(probe(e) for e in entries))
+        ok = all(e["healthy"] for e in entries)
+        out["status"] = "ok" if ok else "degraded"
+        return JSONResponse(out, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Run the router under uvicorn (blocking)."""
+    import uvicorn
+
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)

@@ -1,0 +1,67 @@
+"""Pure request-body transforms for the two legs (no I/O, unit-testable).
+
+Fields in ROUTER_FIELDS belong to the router: a client may send them to steer the router,
+but they never reach an engine. In particular a client can never choose which remote
+blocks an engine reads, because `kv_transfer_params` is always removed and only the
+router sets it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+ROUTER_FIELDS = ("kv_transfer_params", "kvferry_mode", "conversation_id")
+"""Body fields the router consumes and never forwards."""
+
+PREFILL_DROP = ("stream_options", "min_tokens")
+"""Removed for the prefill leg: no stream there, and min_tokens > 1 would clash with max 1."""
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+
+def sanitize(body: dict[str, Any]) -> dict[str, Any]:
+    """Copy of the client body without router-owned fields."""
+    return {k: copy.deepcopy(v) for k, v in body.items() if k not in ROUTER_FIELDS}
+
+
+def prefill_body(
+    clean: dict[str, Any], endpoint: str, kv_params: dict[str, Any]
+) -> dict[str, Any]:
+    """The prefill leg: same prompt, one token, no stream, asked to keep its KV for D."""
+    body = {k: copy.deepcopy(v) for k, v in clean.items() if k not in PREFILL_DROP}
+    body["max_tokens"] = 1
+    if endpoint == CHAT:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    body["kv_transfer_params"] = dict(kv_params)
+    return body
+
+
+def pull_prefill_params(transfer_id: str) -> dict[str, Any]:
+    """kv_transfer_params sent to P in pull mode: keep the blocks for a remote decode."""
+    return {"do_remote_decode": True, "transfer_id": transfer_id}
+
+
+def decode_body(clean: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg: the client's original request plus P's params (if P gave any)."""
+    body = copy.deepcopy(clean)
+    if kv_params is not None:
+        body["kv_transfer_params"] = copy.deepcopy(kv_params)
+    return body
+
+
+def extract_kv_params(response_json: Any) -> dict[str, Any] | None:
+    """P's top-level `kv_transfer_params` when it is a non-empty dict, else None."""
+    if not isinstance(response_json, dict):
+        return None
+    params = response_json.get("kv_transfer_params")
+    if isinstance(params, dict) and params:
+        return params
+    return None
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    """True when the client asked for SSE."""
+    return bool(body.get("stream", False))

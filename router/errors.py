@@ -1,0 +1,56 @@
+"""OpenAI-style error bodies and the exception that carries them to the HTTP layer.
+
+Every failure names the leg (prefill or decode) and the upstream, so an operator can tell
+from one response which engine to look at.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse
+
+
+def error_body(message: str, status: int, err_type: str, code: str | None = None) -> dict[str, Any]:
+    """The `{"error": {...}}` shape OpenAI clients know how to display."""
+    return {"error": {"message": message, "type": err_type, "param": None, "code": code or status}}
+
+
+class RouterError(Exception):
+    """A request failure already mapped to an HTTP status and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, err_type: str, leg: str, kind: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.leg = leg
+        self.kind = kind
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        """JSON response for the client."""
+        body = error_body(self.message, self.status, self.err_type)
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def from_transport(exc: httpx.HTTPError, leg: str, url: str) -> RouterError:
+    """Map an httpx failure: timeouts -> 504, anything else on the wire -> 502."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return RouterError(504, f"{leg} upstream {url} connect timeout", "upstream_timeout",
+                           leg, "connect_timeout")
+    if isinstance(exc, httpx.TimeoutException):
+        return RouterError(504, f"{leg} upstream {url} timed out ({type(exc).__name__})",
+                           "upstream_timeout", leg, "timeout")
+    if isinstance(exc, httpx.ConnectError):
+        return RouterError(502, f"{leg} upstream {url} unreachable: {exc}",
+                           "upstream_unavailable", leg, "connect")
+    return RouterError(502, f"{leg} upstream {url} failed: {type(exc).__name__}: {exc}",
+                       "upstream_error", leg, "transport")
+
+
+def from_status(status: int, text: str, leg: str, url: str) -> RouterError:
+    """Map an upstream 5xx to 502, keeping the start of its message for the client."""
+    snippet = text.strip().replace("\n", " ")[:500]
+    return RouterError(502, f"{leg} upstream {url} returned HTTP {status}: {snippet}",
+                       "upstream_error", leg, f"http_{status}")

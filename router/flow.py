@@ -1,0 +1,313 @@
+"""The request chain: prefill leg, then decode leg (pull); push is a hook.
+
+How a request flows (pull, the default):
+
+1. The client's body is sanitised: router-owned fields (`kv_transfer_params`,
+   `kvferry_mode`, `conversation_id`) are removed and never forwarded.
+2. The least-loaded P gets the same body with max_tokens=1 (and max_completion_tokens=1
+   for chat), stream=false, no stream_options, and
+   `kv_transfer_params={"do_remote_decode": true, "transfer_id": <uuid4 hex>}`.
+   P computes the prompt's KV, keeps the blocks and answers with JSON whose top-level
+   `kv_transfer_params` tells a decoder where to read them.
+3. Only now is D chosen (least-loaded, so the choice sees the load at decode time). D gets
+   the client's original body plus exactly P's returned `kv_transfer_params`; if P gave
+   none, D gets none and recomputes (warning + metric).
+4. D's answer goes back to the client: SSE passed through chunk by chunk, or JSON (minus
+   D's own `kv_transfer_params`, which are engine-internal).
+
+Push (`build_legs(mode="push")`): both engines are chosen up front and both legs are sent
+concurrently with one transfer_id; D registers its blocks with P, P writes into them.
+It is only dispatched when RouterSettings.push_enabled is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+
+from . import bodies
+from .errors import RouterError, from_status, from_transport
+from .metrics import RouterMetrics
+from .settings import Mode, RouterSettings
+from .sse import UpstreamStream
+from .upstreams import Upstream, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+FORWARD_HEADERS = ("authorization",)
+"""Client headers passed to the engines (engines may run with --api-key)."""
+
+HDR_PREFILL = "x-kvferry-prefill"
+HDR_DECODE = "x-kvferry-decode"
+HDR_TRANSFER = "x-kvferry-transfer-id"
+PROBE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class FlowContext:
+    """Everything the chain needs; one per router app."""
+
+    client: httpx.AsyncClient
+    settings: RouterSettings
+    prefill: UpstreamPool
+    decode: UpstreamPool
+    metrics: RouterMetrics
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def timeout(self, leg: str) -> httpx.Timeout:
+        """Per-leg timeouts: connect is short; read bounds each wait for bytes.
+
+        leg is "prefill", "decode" or "probe" (health and model listing: short).
+        """
+        reads = {"prefill": self.settings.prefill_timeout_s, "decode": self.settings.decode_timeout_s}
+        read = reads.get(leg, PROBE_TIMEOUT_S)
+        c = self.settings.connect_timeout_s
+        return httpx.Timeout(connect=c, read=read, write=read, pool=c)
+
+
+@dataclass(frozen=True)
+class Legs:
+    """The two request bodies of one client request.
+
+    In pull mode `decode_body` is None: D's body depends on P's answer and is built by
+    `bodies.decode_body` afterwards. In push mode both are final before dispatch.
+    """
+
+    mode: Mode
+    transfer_id: str
+    prefill_body: dict[str, Any]
+    decode_body: dict[str, Any] | None
+
+
+def build_legs(mode: Mode, endpoint: str, clean: dict[str, Any], transfer_id: str) -> Legs:
+    """Build the leg bodies for `mode` from a sanitised client body.
+
+    Push keys are provisional until the push connector lands: P gets
+    {"do_remote_decode", "transfer_id", "push"}, D gets {"do_remote_prefill",
+    "transfer_id", "push"}; the connectors match the two sides by transfer_id.
+    """
+    if mode == "pull":
+        p_params = bodies.pull_prefill_params(transfer_id)
+        return Legs(mode, transfer_id, bodies.prefill_body(clean, endpoint, p_params), None)
+    p_params = {"do_remote_decode": True, "transfer_id": transfer_id, "push": True}
+    d_params = {"do_remote_prefill": True, "transfer_id": transfer_id, "push": True}
+    return Legs(
+        mode,
+        transfer_id,
+        bodies.prefill_body(clean, endpoint, p_params),
+        bodies.decode_body(clean, d_params),
+    )
+
+
+def forward_headers(client_headers: Any, transfer_id: str) -> dict[str, str]:
+    """Headers for both legs: the client's auth plus one request id shared by P and D."""
+    out = {k: client_headers[k] for k in FORWARD_HEADERS if k in client_headers}
+    out["x-request-id"] = transfer_id
+    return out
+
+
+async def run_request(
+    ctx: FlowContext,
+    endpoint: str,
+    path: str,
+    body: dict[str, Any],
+    client_headers: Any,
+    mode: Mode,
+) -> Response:
+    """Serve one completions/chat request through P and D; raises RouterError on failure."""
+    started = time.perf_counter()
+    transfer_id = uuid.uuid4().hex
+    clean = bodies.sanitize(body)
+    stream = bodies.wants_stream(clean)
+    headers = forward_headers(client_headers, transfer_id)
+    legs = build_legs(mode, endpoint, clean, transfer_id)
+    if legs.mode == "push":
+        return await _run_push(ctx, endpoint, path, legs, headers, stream, started)
+
+    p = ctx.prefill.choose()
+    resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
+    p_resp = await _prefill(ctx, p, path, legs.prefill_body, headers)
+    if p_resp.status_code != 200:
+        # Client errors (unknown model, prompt too long...) are P's to explain.
+        return _passthrough(p_resp, resp_headers)
+    try:
+        p_json: Any = p_resp.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        p_json = None
+    kv_params = bodies.extract_kv_params(p_json)
+    if kv_params is None:
+        ctx.metrics.missing_kv_params.inc()
+        log.warning(
+            "prefill %s returned no kv_transfer_params (transfer %s); decode will recompute",
+            p.url, transfer_id,
+        )
+    d_body = bodies.decode_body(clean, kv_params)
+    return await _decode(ctx, endpoint, path, d_body, headers, stream, started, resp_headers)
+
+
+async def _prefill(
+    ctx: FlowContext, p: Upstream, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> httpx.Response:
+    """POST the prefill leg; 5xx and transport failures become RouterError(leg=prefill)."""
+    t0 = time.perf_counter()
+    with ctx.prefill.lease(p):
+        try:
+            resp = await ctx.client.post(
+                p.url + path, json=body, headers=headers, timeout=ctx.timeout("prefill")
+            )
+        except httpx.HTTPError as exc:
+            raise from_transport(exc, "prefill", p.url) from exc
+    ctx.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+    if resp.status_code >= 500:
+        raise from_status(resp.status_code, resp.text, "prefill", p.url)
+    return resp
+
+
+async def _decode(
+    ctx: FlowContext,
+    endpoint: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    stream: bool,
+    started: float,
+    resp_headers: dict[str, str],
+    d: Upstream | None = None,
+) -> Response:
+    """Send the decode leg and hand its answer to the client (stream or JSON)."""
+    d = d or ctx.decode.choose()
+    resp_headers = {**resp_headers, HDR_DECODE: d.url}
+    ctx.decode.acquire(d)
+    handed_off = False
+    try:
+        req = ctx.client.build_request(
+            "POST", d.url + path, json=body, headers=headers, timeout=ctx.timeout("decode")
+        )
+        try:
+            resp = await ctx.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise from_transport(exc, "decode", d.url) from exc
+        try:
+            if resp.status_code >= 400 or not stream:
+                data = await resp.aread()
+            else:
+                handed_off = True
+                return _stream(ctx, endpoint, resp, d, started, resp_headers)
+        except httpx.HTTPError as exc:
+            raise from_transport(exc, "decode", d.url) from exc
+        finally:
+            if not handed_off:
+                await resp.aclose()
+    finally:
+        if not handed_off:
+            ctx.decode.release(d)
+
+    if resp.status_code >= 500:
+        raise from_status(resp.status_code, data.decode(errors="replace"), "decode", d.url)
+    if resp.status_code == 200:
+        ctx.metrics.ttft.labels(endpoint=endpoint, stream="false").observe(
+            time.perf_counter() - started
+        )
+        data = _strip_engine_params(data)
+    return Response(
+        data,
+        status_code=resp.status_code,
+        media_type=resp.headers.get("content-type", "application/json"),
+        headers=resp_headers,
+    )
+
+
+def _stream(
+    ctx: FlowContext,
+    endpoint: str,
+    resp: httpx.Response,
+    d: Upstream,
+    started: float,
+    resp_headers: dict[str, str],
+) -> UpstreamStream:
+    """Wrap D's open SSE response; the D lease ends when the stream closes."""
+
+    def first_chunk() -> None:
+        ctx.metrics.ttft.labels(endpoint=endpoint, stream="true").observe(
+            time.perf_counter() - started
+        )
+
+    def on_error(err: RouterError) -> None:
+        ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
+
+    return UpstreamStream(
+        resp,
+        leg="decode",
+        url=d.url,
+        headers=resp_headers,
+        on_first_chunk=first_chunk,
+        on_close=lambda: ctx.decode.release(d),
+        on_error=on_error,
+    )
+
+
+async def _run_push(
+    ctx: FlowContext,
+    endpoint: str,
+    path: str,
+    legs: Legs,
+    headers: dict[str, str],
+    stream: bool,
+    started: float,
+) -> Response:
+    """Push: choose P and D now, send both legs at once; D's answer is the client's.
+
+    A failing P leg is logged and counted; D then falls back per its connector's
+    kv_load_failure_policy (recompute), so the client still gets an answer.
+    """
+    assert legs.decode_body is not None
+    p = ctx.prefill.choose()
+    d = ctx.decode.choose()
+
+    async def prefill_leg() -> None:
+        try:
+            resp = await _prefill(ctx, p, path, legs.prefill_body, headers)
+            if resp.status_code != 200:
+                log.warning("push prefill leg got HTTP %s (transfer %s): %s",
+                            resp.status_code, legs.transfer_id, resp.text[:300])
+        except RouterError as err:
+            ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
+            log.warning("push prefill leg failed (transfer %s): %s", legs.transfer_id, err)
+
+    task = asyncio.create_task(prefill_leg())
+    ctx.background.add(task)
+    task.add_done_callback(ctx.background.discard)
+    resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: legs.transfer_id}
+    return await _decode(
+        ctx, endpoint, path, legs.decode_body, headers, stream, started, resp_headers, d
+    )
+
+
+def _passthrough(resp: httpx.Response, headers: dict[str, str]) -> Response:
+    """Return an upstream's non-2xx answer unchanged (status, body, content type)."""
+    return Response(
+        resp.content,
+        status_code=resp.status_code,
+        media_type=resp.headers.get("content-type", "application/json"),
+        headers=headers,
+    )
+
+
+def _strip_engine_params(data: bytes) -> bytes:
+    """Drop D's `kv_transfer_params` (engine block locations) from a JSON answer."""
+    try:
+        obj = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return data
+    if isinstance(obj, dict) and "kv_transfer_params" in obj:
+        obj.pop("kv_transfer_params")
+        return json.dumps(obj).encode()
+    return data

@@ -1,0 +1,58 @@
+"""Prometheus metrics for the router.
+
+Each app gets its own CollectorRegistry so several routers can live in one process
+(tests) without duplicate-metric errors.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    """Counters, gauges and histograms exported on /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvferry_router_requests",
+            "Client requests received.",
+            ["endpoint", "mode"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "kvferry_router_errors",
+            "Requests that failed, by leg (prefill/decode/router) and kind.",
+            ["endpoint", "leg", "kind"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "kvferry_router_upstream_in_flight",
+            "Requests currently held by each upstream.",
+            ["role", "upstream"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvferry_router_ttft_seconds",
+            "Client-visible time to first byte of the decode answer.",
+            ["endpoint", "stream"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_seconds = Histogram(
+            "kvferry_router_prefill_seconds",
+            "Duration of the prefill leg.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.missing_kv_params = Counter(
+            "kvferry_router_prefill_missing_kv_params",
+            "Prefill answers without kv_transfer_params (decode recomputes the prompt).",
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        """Text exposition format of every metric in this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,270 @@
+"""`kvferry` command line: model, router, up, run, demo.
+
+`kvferry run` (= `kvferry up --demo`) is the one-liner: generate the tiny model, start one
+prefill engine, one decode engine and the router, wait for all /health, run the demo
+conversation, stop everything (process groups, no orphans) and exit with the demo's code.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from .demo import run_demo
+from .engines import BACKENDS, CONNECTORS, ROLES, EngineSpec, engine_argv, engine_env
+from .modelgen import SHAPES, write_model
+from .procs import Child, StartupError, died_message, first_dead, stop_all, wait_healthy
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="kvferry: prefill/decode disaggregated serving on vLLM.")
+
+STATE_DIR = Path(".kvferry")
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+class Shutdown(Exception):
+    """Raised from SIGTERM/SIGHUP handlers so `finally` blocks stop the children."""
+
+
+def _on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise Shutdown(signal.Signals(signum).name)
+
+
+def _choice(value: str, allowed: tuple[str, ...], flag: str) -> str:
+    if value not in allowed:
+        raise typer.BadParameter(f"{value!r} not in {', '.join(allowed)}", param_hint=flag)
+    return value
+
+
+@app.command()
+def model(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.")],
+    shape: Annotated[str, typer.Option(help=f"One of: {', '.join(SHAPES)}.")] = "tiny",
+) -> None:
+    """Write a dummy-weight model dir (config + locally trained tokenizer)."""
+    _choice(shape, tuple(SHAPES), "--shape")
+    typer.echo(str(write_model(out_dir, shape)))
+
+
+@app.command()
+def router(
+    prefill: Annotated[list[str], typer.Option(help="Prefill engine URL (repeat or comma-list).")],
+    decode: Annotated[list[str], typer.Option(help="Decode engine URL (repeat or comma-list).")],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    mode: Annotated[str, typer.Option(help="Default transfer mode: pull|push.")] = "pull",
+    enable_push: Annotated[bool, typer.Option(help="Accept push-mode requests.")] = False,
+    connect_timeout: float = 3.0,
+    prefill_timeout: float = 300.0,
+    decode_timeout: float = 300.0,
+    log_level: str = "info",
+) -> None:
+    """Run the OpenAI-compatible router in front of prefill and decode engines."""
+    from kvferry.router.app import serve
+    from kvferry.router.settings import RouterSettings
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    settings = RouterSettings(
+        prefill_urls=prefill, decode_urls=decode, mode=_choice(mode, ("pull", "push"), "--mode"),
+        push_enabled=enable_push or mode == "push", connect_timeout_s=connect_timeout,
+        prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
+    )
+    serve(settings, host=host, port=port, log_level=log_level)
+
+
+@app.command()
+def demo(
+    url: str = "http://127.0.0.1:8000",
+    turns: Annotated[int, typer.Option(min=1, max=4)] = 4,
+    max_tokens: int = 32,
+    timeout: float = 120.0,
+) -> None:
+    """Multi-turn streaming chat through the router; prints per-turn TTFT."""
+    raise typer.Exit(run_demo(url, turns=turns, max_tokens=max_tokens, timeout_s=timeout))
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _up(
+    ctx: typer.Context,
+    hardware_backend: str,
+    model_dir: Path | None,
+    prefill_port: int,
+    decode_port: int,
+    router_port: int,
+    connector: str,
+    mode: str,
+    max_model_len: int,
+    engine_arg: list[str],
+    ucx_tls: str | None,
+    devices_per_engine: int,
+    startup_timeout: float,
+    run_demo_after: bool,
+    demo_max_tokens: int,
+    dry_run: bool,
+) -> int:
+    """Shared body of `up` and `run`; returns the process exit code."""
+    _choice(hardware_backend, BACKENDS, "--hardware-backend")
+    _choice(connector, CONNECTORS, "--connector")
+    _choice(mode, ("pull", "push"), "--mode")
+    if mode == "push" and connector != "kvferry":
+        raise typer.BadParameter("push mode needs --connector kvferry", param_hint="--mode")
+    if model_dir is None:
+        model_dir = STATE_DIR / "models" / "tiny"
+        if not dry_run:
+            write_model(model_dir, "tiny")
+    extra = tuple(a for chunk in engine_arg for a in shlex.split(chunk)) + tuple(ctx.args)
+    ports = {"prefill": prefill_port, "decode": decode_port}
+    logs = STATE_DIR / "logs"
+    children: list[Child] = []
+    for role in ROLES:
+        spec = EngineSpec(
+            role=role, model=str(model_dir.resolve()), port=ports[role],
+            backend=hardware_backend,  # type: ignore[arg-type]
+            connector=connector,  # type: ignore[arg-type]
+            mode=mode,  # type: ignore[arg-type]
+            max_model_len=max_model_len, devices_per_engine=devices_per_engine,
+            ucx_tls=ucx_tls, extra_args=extra,
+        )
+        children.append(Child(role, engine_argv(spec), logs / f"{role}.log",
+                              f"http://127.0.0.1:{ports[role]}/health", engine_env(spec)))
+    router_url = f"http://127.0.0.1:{router_port}"
+    router_argv = [sys.executable, "-m", "kvferry.scripts.cli", "router",
+                   "--prefill", f"http://127.0.0.1:{prefill_port}",
+                   "--decode", f"http://127.0.0.1:{decode_port}",
+                   "--port", str(router_port), "--mode", mode]
+    children.append(Child("router", router_argv, logs / "router.log", router_url + "/health"))
+
+    if dry_run:
+        for c in children:
+            env = [f"{k}={shlex.quote(v)}" for k, v in sorted(c.env.items())]
+            typer.echo(f"# {c.name} (log {c.log_path})\n{' '.join([*env, shlex.join(c.argv)])}")
+        return 0
+    busy = [p for p in (prefill_port, decode_port, router_port) if _port_busy(p)]
+    if busy:
+        typer.echo(f"port(s) already in use: {busy}; stop what holds them or pick others", err=True)
+        return 1
+
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for c in children:
+            c.start()
+            typer.echo(f"started {c.name} (pid {c.proc.pid if c.proc else '?'}, log {c.log_path})")
+        t0 = time.monotonic()
+        wait_healthy(children, startup_timeout, on_ready=lambda c: typer.echo(
+            f"{c.name} healthy after {time.monotonic() - t0:.0f}s"))
+        typer.echo(f"prefill  http://127.0.0.1:{prefill_port}\n"
+                   f"decode   http://127.0.0.1:{decode_port}\n"
+                   f"router   {router_url}  (OpenAI API: {router_url}/v1)")
+        if run_demo_after:
+            rc = run_demo(router_url, max_tokens=demo_max_tokens)
+            dead = first_dead(children)
+            if dead is not None:
+                typer.echo(died_message(dead), err=True)
+                rc = rc or 1
+            return rc
+        typer.echo("running; Ctrl-C to stop")
+        while True:
+            dead = first_dead(children)
+            if dead is not None:
+                typer.echo(died_message(dead), err=True)
+                return 1
+            time.sleep(1)
+    except StartupError as exc:
+        typer.echo(f"startup failed: {exc}", err=True)
+        return 1
+    except (KeyboardInterrupt, Shutdown) as exc:
+        typer.echo(f"stopping ({type(exc).__name__} {exc})".strip(), err=True)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 143
+    finally:
+        # Ignore further signals while stopping so a second Ctrl-C cannot leave orphans.
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        stop_all(children)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        typer.echo("all processes stopped", err=True)
+
+
+BackendOpt = Annotated[str, typer.Option(help="cpu | cuda | neuron.")]
+ModelOpt = Annotated[Path | None, typer.Option(
+    "--model", help="Model dir (default: generate tiny into ./.kvferry/models/tiny).")]
+ConnectorOpt = Annotated[str, typer.Option(help="kvferry | vllm-nixl.")]
+ModeOpt = Annotated[str, typer.Option(help="pull | push.")]
+EngineArgOpt = Annotated[list[str] | None, typer.Option(
+    help="Extra engine args (shell-split, repeatable); args after `--` are passed too.")]
+UcxOpt = Annotated[str | None, typer.Option(help="Set UCX_TLS for the engines.")]
+
+
+@app.command(context_settings=EXTRA)
+def up(
+    ctx: typer.Context,
+    hardware_backend: BackendOpt = "cpu",
+    model_dir: ModelOpt = None,
+    prefill_port: int = 8100,
+    decode_port: int = 8200,
+    router_port: int = 8000,
+    connector: ConnectorOpt = "kvferry",
+    mode: ModeOpt = "pull",
+    max_model_len: int = 4096,
+    engine_arg: EngineArgOpt = None,
+    ucx_tls: UcxOpt = None,
+    devices_per_engine: int = 1,
+    startup_timeout: float = 900.0,
+    demo: Annotated[bool, typer.Option("--demo", help="Run the demo, then stop.")] = False,
+    demo_max_tokens: int = 32,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print commands only.")] = False,
+) -> None:
+    """Start 1 prefill + 1 decode vLLM engine and the router; Ctrl-C stops all."""
+    raise typer.Exit(_up(ctx, hardware_backend, model_dir, prefill_port, decode_port,
+                         router_port, connector, mode, max_model_len, engine_arg or [],
+                         ucx_tls, devices_per_engine, startup_timeout, demo,
+                         demo_max_tokens, dry_run))
+
+
+@app.command(context_settings=EXTRA)
+def run(
+    ctx: typer.Context,
+    hardware_backend: BackendOpt = "cpu",
+    model_dir: ModelOpt = None,
+    prefill_port: int = 8100,
+    decode_port: int = 8200,
+    router_port: int = 8000,
+    connector: ConnectorOpt = "kvferry",
+    mode: ModeOpt = "pull",
+    max_model_len: int = 4096,
+    engine_arg: EngineArgOpt = None,
+    ucx_tls: UcxOpt = None,
+    devices_per_engine: int = 1,
+    startup_timeout: float = 900.0,
+    demo_max_tokens: int = 32,
+) -> None:
+    """`up --demo`: start everything, run the demo, stop; exit code is the demo's."""
+    raise typer.Exit(_up(ctx, hardware_backend, model_dir, prefill_port, decode_port,
+                         router_port, connector, mode, max_model_len, engine_arg or [],
+                         ucx_tls, devices_per_engine, startup_timeout, True,
+                         demo_max_tokens, False))
+
+
+def main() -> None:
+    """Console entry point (`kvferry`)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""A short multi-turn chat through the router, streaming, with per-turn TTFT.
+
+The whole history is resent every turn (as agents do) and a conversation_id rides along,
+which is what a KV-cache-aware router keys its D->P reuse on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+TURNS = (
+    "Hello! Can you explain what a cache is?",
+    "Tell me a short story about a ferry that carries boxes across a wide river.",
+    "Which parts of that story changed when it started to rain?",
+    "Please summarise the conversation so far in one sentence.",
+)
+
+
+class DemoError(RuntimeError):
+    """The router or an engine answered with an error."""
+
+
+@dataclass
+class TurnResult:
+    """What one streamed turn produced."""
+
+    reply: str
+    ttft_s: float
+    total_s: float
+    chunks: int
+    prefill: str
+    decode: str
+
+
+def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnResult:
+    """POST one streaming chat request; TTFT is the first chunk that carries content."""
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    first_event: float | None = None
+    parts: list[str] = []
+    chunks = 0
+    done = False
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise DemoError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise DemoError(f"stream error: {event['error']}")
+            first_event = first_event or time.perf_counter()
+            chunks += 1
+            for choice in event.get("choices", []):
+                text = (choice.get("delta") or {}).get("content") or ""
+                if text:
+                    ttft = ttft or time.perf_counter()
+                    parts.append(text)
+        headers = r.headers
+    if not done or chunks == 0:
+        raise DemoError("stream ended without [DONE]" if chunks else "empty stream")
+    now = time.perf_counter()
+    first = ttft or first_event or now
+    return TurnResult("".join(parts), first - t0, now - t0, chunks,
+                      headers.get("x-kvferry-prefill", "?"), headers.get("x-kvferry-decode", "?"))
+
+
+def printable(text: str, limit: int = 160) -> str:
+    """One line, control characters escaped: random-weight replies can be anything."""
+    flat = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def run_demo(
+    url: str,
+    turns: int = 4,
+    max_tokens: int = 32,
+    timeout_s: float = 120.0,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Run the conversation; returns 0 on success and 1 on any error (printed)."""
+    url = url.rstrip("/")
+    conversation_id = uuid.uuid4().hex
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    try:
+        with httpx.Client(trust_env=False, timeout=httpx.Timeout(timeout_s, connect=5)) as c:
+            models = c.get(url + "/v1/models")
+            if models.status_code != 200:
+                raise DemoError(f"/v1/models: HTTP {models.status_code}: {models.text[:300]}")
+            model = models.json()["data"][0]["id"]
+            out(f"model {model} via {url}, conversation {conversation_id}")
+            for i, question in enumerate(TURNS[:turns], start=1):
+                messages.append({"role": "user", "content": question})
+                body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+                        "temperature": 0, "stream": True, "conversation_id": conversation_id}
+                res = stream_chat(c, url, body)
+                messages.append({"role": "assistant", "content": res.reply})
+                out(f"turn {i}: ttft {res.ttft_s * 1000:.0f} ms, total {res.total_s * 1000:.0f} ms,"
+                    f" {res.chunks} chunks, {len(messages) - 1} messages"
+                    f" (P {res.prefill}, D {res.decode})")
+                out(f"  user: {question}")
+                out(f"  assistant: {printable(res.reply)}")
+    except (DemoError, httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as exc:
+        out(f"demo failed: {type(exc).__name__}: {exc}")
+        return 1
+    out("demo ok")
+    return 0

@@ -1,0 +1,172 @@
+"""Real-HTTP test helpers: uvicorn servers in threads and a fake vLLM engine.
+
+Kept out of conftest.py so other test modules can import it without fixture clashes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+class ServerThread:
+    """Runs an ASGI app under uvicorn on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app: Any) -> None:
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> str:
+        """Start and return the base URL once the socket is listening."""
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        """Ask uvicorn to exit and wait for the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Context manager form of ServerThread: yields the base URL."""
+    srv = ServerThread(app)
+    url = srv.start()
+    try:
+        yield url
+    finally:
+        srv.stop()
+
+
+def closed_port_url() -> str:
+    """A URL on which nothing listens (connection refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class FakeEngine:
+    """Behaviour and records of one fake vLLM OpenAI server."""
+
+    name: str
+    kv_params: dict[str, Any] | None = None
+    delay_s: float = 0.0
+    status: int = 200
+    chunks: int = 4
+    chunk_delay_s: float = 0.0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    chunk_sent_at: list[float] = field(default_factory=list)
+    stream_closed_early: threading.Event = field(default_factory=threading.Event)
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    def app(self) -> FastAPI:
+        """FastAPI app answering like vLLM's OpenAI server (enough for the router)."""
+        app = FastAPI()
+        eng = self
+
+        async def answer(request: Request, chat: bool) -> Any:
+            body = await request.json()
+            eng.received.append(body)
+            eng.headers.append(dict(request.headers))
+            eng.in_flight += 1
+            eng.max_in_flight = max(eng.max_in_flight, eng.in_flight)
+            try:
+                if eng.delay_s:
+                    await asyncio.sleep(eng.delay_s)
+                if eng.status != 200:
+                    msg = {"error": {"message": f"{eng.name} says {eng.status}"}}
+                    return JSONResponse(msg, status_code=eng.status)
+                if body.get("stream"):
+                    eng.in_flight += 1  # held until the stream ends
+                    return StreamingResponse(eng._sse(chat), media_type="text/event-stream")
+                out: dict[str, Any] = {
+                    "id": f"{eng.name}-1",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "model": body.get("model", "tiny"),
+                    "choices": [_choice(chat, f"{eng.name} answer", final=True)],
+                    "kv_transfer_params": eng.kv_params,
+                }
+                return JSONResponse(out)
+            finally:
+                eng.in_flight -= 1
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Any:
+            return await answer(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Any:
+            return await answer(request, chat=True)
+
+        @app.get("/v1/models")
+        async def models() -> Any:
+            return {"object": "list", "data": [{"id": "tiny", "object": "model",
+                                                "owned_by": eng.name}]}
+
+        @app.get("/health")
+        async def health() -> Any:
+            return {}
+
+        return app
+
+    async def _sse(self, chat: bool) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            for i in range(self.chunks):
+                if i and self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+                chunk = {"id": f"{self.name}-s", "choices": [_choice(chat, f"tok{i} ", False)]}
+                self.chunk_sent_at.append(time.monotonic())
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            self.in_flight -= 1
+            if not finished:
+                self.stream_closed_early.set()
+
+
+def _choice(chat: bool, text: str, final: bool) -> dict[str, Any]:
+    if chat:
+        key = "message" if final else "delta"
+        return {"index": 0, key: {"role": "assistant", "content": text},
+                "finish_reason": "stop" if final else None}
+    return {"index": 0, "text": text, "finish_reason": "stop" if final else None}
+
+
+def main() -> None:
+    """`python tests/helpers_http.py PORT NAME`: a fake engine process (for CLI tests)."""
+    import sys
+
+    port, name = int(sys.argv[1]), sys.argv[2]
+    kv = {"remote_engine_id": name, "remote_block_ids": [1]} if name == "prefill" else None
+    eng = FakeEngine(name, kv_params=kv, chunks=3)
+    uvicorn.run(eng.app(), host="127.0.0.1", port=port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

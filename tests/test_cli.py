@@ -1,0 +1,205 @@
+"""CLI and engine launch: argv/env per backend and connector, and `up`'s supervision.
+
+No vLLM engine is started: `up`/`run` are exercised with fake engine processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers_http import closed_port_url
+from kvferry.scripts import cli
+from kvferry.scripts.engines import (
+    EngineSpec,
+    cpu_share,
+    engine_argv,
+    engine_env,
+    format_ranges,
+    kv_transfer_config,
+)
+from kvferry.scripts.procs import Child, stop_all
+from typer.testing import CliRunner
+
+HELPERS = Path(__file__).with_name("helpers_http.py")
+runner = CliRunner()
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("role,side,bind", [("prefill", 5600, "0"), ("decode", 5601, "1")])
+def test_cpu_kvferry_engine(role: str, side: int, bind: str) -> None:
+    spec = EngineSpec(role=role, model="/m", port=8100, cpus=(0, 1))  # type: ignore[arg-type]
+    argv = engine_argv(spec)
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--model") == "/m" and _flag(argv, "--port") == "8100"
+    assert _flag(argv, "--load-format") == "dummy" and _flag(argv, "--seed") == "0"
+    assert _flag(argv, "--max-model-len") == "4096" and "--enforce-eager" in argv
+    kv = json.loads(_flag(argv, "--kv-transfer-config"))
+    assert kv == {
+        "kv_connector": "KvferryConnector",
+        "kv_connector_module_path": "kvferry.connectors.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"hardware_backend": "cpu", "side_channel_host": "127.0.0.1",
+                                      "side_channel_port": side, "transfer_mode": "pull"},
+    }
+    assert engine_env(spec) == {
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+
+
+def test_cpu_vllm_nixl_and_ucx() -> None:
+    p = EngineSpec(role="prefill", model="/m", port=1, connector="vllm-nixl", cpus=(0, 1),
+                   ucx_tls="tcp,self")
+    d = EngineSpec(role="decode", model="/m", port=2, connector="vllm-nixl", cpus=(0, 1))
+    assert kv_transfer_config(p) == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                     "kv_buffer_device": "cpu"}
+    pe, de = engine_env(p), engine_env(d)
+    assert pe["VLLM_NIXL_SIDE_CHANNEL_PORT"] != de["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert pe["UCX_TLS"] == "tcp,self" and "UCX_TLS" not in de
+
+
+def test_cuda_and_neuron() -> None:
+    p = EngineSpec(role="prefill", model="/m", port=1, backend="cuda", connector="vllm-nixl")
+    d = EngineSpec(role="decode", model="/m", port=2, backend="cuda", devices_per_engine=2)
+    assert engine_env(p)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert engine_env(d)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert kv_transfer_config(p)["kv_buffer_device"] == "cuda"
+    assert _flag(engine_argv(d), "--tensor-parallel-size") == "2"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(p)
+    assert kv_transfer_config(d)["kv_connector_extra_config"]["hardware_backend"] == "cuda"
+    n = EngineSpec(role="decode", model="/m", port=2, backend="neuron", devices_per_engine=4)
+    env = engine_env(n)
+    assert env["NEURON_RT_VISIBLE_CORES"] == "4-7" and env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"
+    assert kv_transfer_config(n)["kv_connector_extra_config"]["hardware_backend"] == "neuron"
+
+
+def test_cpu_splits() -> None:
+    assert [cpu_share((0, 1), i) for i in (0, 1)] == ["0", "1"]
+    assert [cpu_share(tuple(range(8)), i) for i in (0, 1)] == ["0-3", "4-7"]
+    assert [cpu_share((0, 1, 2), i) for i in (0, 1)] == ["0", "1-2"]
+    assert cpu_share((0,), 1) == "0"
+    assert format_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+
+
+def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(cli.app, ["--help"])
+    assert r.exit_code == 0 and "up" in r.output and "demo" in r.output
+    for cmd in ("up", "run", "router", "demo", "model"):
+        assert runner.invoke(cli.app, [cmd, "--help"]).exit_code == 0
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--mode", "push", "--prefill-port", "9100",
+                                "--engine-arg", "--block-size 16", "--", "--foo"])
+    assert r.exit_code == 0, r.output
+    assert "--port 9100" in r.output and "--block-size 16 --foo" in r.output
+    assert "--mode push" in r.output
+    bad = runner.invoke(cli.app, ["up", "--dry-run", "--hardware-backend", "tpu"])
+    assert bad.exit_code != 0
+    bad = runner.invoke(cli.app, ["up", "--dry-run", "--mode", "push", "--connector", "vllm-nixl"])
+    assert bad.exit_code != 0
+
+
+def test_model_command(tmp_path: Path) -> None:
+    r = runner.invoke(cli.app, ["model", str(tmp_path / "m"), "--shape", "tiny"])
+    assert r.exit_code == 0 and (tmp_path / "m" / "config.json").is_file()
+    assert runner.invoke(cli.app, ["model", str(tmp_path / "x"), "--shape", "nope"]).exit_code
+
+
+def _free_port() -> int:
+    return int(closed_port_url().rsplit(":", 1)[1])
+
+
+def _fake_engines(monkeypatch: pytest.MonkeyPatch, crash: str | None = None) -> None:
+    def argv(spec: EngineSpec) -> list[str]:
+        if spec.role == crash:
+            return [sys.executable, "-c", "print('boom: no accelerator'); raise SystemExit(3)"]
+        return [sys.executable, str(HELPERS), str(spec.port), spec.role]
+
+    monkeypatch.setattr(cli, "engine_argv", argv)
+
+
+def _ports() -> list[str]:
+    return ["--prefill-port", str(_free_port()), "--decode-port", str(_free_port()),
+            "--router-port", str(_free_port())]
+
+
+def test_run_with_fake_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _fake_engines(monkeypatch)
+    r = runner.invoke(cli.app, ["run", "--startup-timeout", "60", *_ports()])
+    assert r.exit_code == 0, r.output
+    assert "turn 4: ttft" in r.output and "demo ok" in r.output
+    assert "all processes stopped" in r.output
+    assert (tmp_path / ".kvferry" / "models" / "tiny" / "config.json").is_file()
+    assert (tmp_path / ".kvferry" / "logs" / "router.log").is_file()
+
+
+def test_up_reports_engine_death(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _fake_engines(monkeypatch, crash="decode")
+    t0 = time.monotonic()
+    r = runner.invoke(cli.app, ["up", "--demo", "--startup-timeout", "60", *_ports()])
+    assert r.exit_code == 1
+    assert time.monotonic() - t0 < 30
+    assert "decode exited with code 3" in r.output and "boom: no accelerator" in r.output
+
+
+def test_stop_all_kills_whole_group(tmp_path: Path) -> None:
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(p.pid, flush=True); time.sleep(60)")
+    child = Child("x", [sys.executable, "-c", code], tmp_path / "x.log")
+    child.start()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "x.log").read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int((tmp_path / "x.log").read_text().split()[0])
+    stop_all([child], grace_s=5)
+    assert not child.alive()
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(grandchild, 0)
+        # a zombie still answers kill(0); make sure it is not a live process
+        if Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z":
+            raise ProcessLookupError
+
+
+def test_up_stops_on_sigterm(tmp_path: Path) -> None:
+    """A real `kvferry up` process: SIGTERM stops it and its children (fake engines)."""
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); h = sys.argv[2];"
+        "from kvferry.scripts import cli;"
+        "cli.engine_argv = lambda s: [sys.executable, h, str(s.port), s.role];"
+        "sys.argv = ['kvferry', 'up', *sys.argv[3:]]; cli.main()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(HELPERS.parent), str(HELPERS), *_ports()],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "running; Ctrl-C to stop" in line:
+            break
+    pids = [int(ln.split("pid ")[1].split(",")[0]) for ln in lines if ln.startswith("started")]
+    assert len(pids) == 3, "".join(lines)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 143, out
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)

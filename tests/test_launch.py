@@ -1,0 +1,158 @@
+"""Launch plans for trn2.48xlarge and p5en.48xlarge: placement, ports, env, commands."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import typer
+from kvferry.scripts.launch import INSTANCES, PlanError, launch_app, plan, read_hosts
+from typer.testing import CliRunner
+
+
+def engines(plans):
+    return [e for p in plans for e in p.engines]
+
+
+def kv_config(e) -> dict:
+    argv = e.argv
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+def check_invariants(plans, units: int) -> None:
+    for p in plans:
+        devs = [d for e in p.engines for d in e.devices]
+        assert len(devs) == len(set(devs)), f"overlap on {p.host}"
+        assert all(0 <= d < units for d in devs)
+        ports = [e.http_port for e in p.engines]
+        ports += [q for e in p.engines for q in range(e.side_channel_port,
+                                                      e.side_channel_port + len(e.devices))]
+        if p.router:
+            ports.append(int(p.router[p.router.index("--port") + 1]))
+        assert len(ports) == len(set(ports)), f"port clash on {p.host}"
+        for e in p.engines:
+            assert e.devices == tuple(range(e.devices[0], e.devices[0] + len(e.devices)))
+            assert e.devices[0] % len(e.devices) == 0  # TP-aligned
+            cfg = kv_config(e)
+            assert cfg["kv_connector"] == "KvferryConnector"
+            assert cfg["kv_connector_module_path"] == "kvferry.connectors.connector"
+            assert cfg["kv_role"] == "kv_both" and cfg["kv_load_failure_policy"] == "recompute"
+            extra = cfg["kv_connector_extra_config"]
+            assert extra["side_channel_host"] == p.host
+            assert extra["side_channel_port"] == e.side_channel_port
+            assert e.argv[e.argv.index("--tensor-parallel-size") + 1] == str(len(e.devices))
+
+
+def test_trn2_2p2d_tp16_one_host_shared() -> None:
+    plans = plan(["trn-a"], "trn2.48xlarge", 2, 2, 16, "meta-llama/Llama-3.1-8B")
+    check_invariants(plans, 64)
+    es = engines(plans)
+    assert [e.env["NEURON_RT_VISIBLE_CORES"] for e in es] == ["0-15", "16-31", "32-47", "48-63"]
+    for e in es:
+        assert e.env["FI_PROVIDER"] == "efa" and e.env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+        assert e.env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"  # P and D share the instance
+        assert e.env["NEURON_LOGICAL_NC_CONFIG"] == "2"
+        assert "CUDA_VISIBLE_DEVICES" not in e.env
+        extra = kv_config(e)["kv_connector_extra_config"]
+        assert extra["hardware_backend"] == "neuron" and extra["nixl_backends"] == ["LIBFABRIC"]
+        assert e.argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+        assert "--block-size" in e.argv
+    assert [e.role for e in es] == ["prefill", "prefill", "decode", "decode"]
+
+
+def test_trn2_multi_host_separate_roles_and_lnc1() -> None:
+    hosts = ["t0", "t1", "t2"]
+    plans = plan(hosts, "trn2.48xlarge", 3, 1, 32, "m", separate_roles=True)
+    check_invariants(plans, 64)
+    by_host = {p.host: [e.role for e in p.engines] for p in plans}
+    assert by_host == {"t0": ["prefill", "prefill"], "t1": ["prefill"], "t2": ["decode"]}
+    assert all("FI_EFA_ENABLE_SHM_TRANSFER" not in e.env for e in engines(plans))
+    router = plans[0].router
+    assert router[:2] == ["kvferry", "router"]
+    assert router[router.index("--prefill") + 1:router.index("--decode")] == \
+        ["http://t0:8100", "http://t0:8101", "http://t1:8100"]
+    assert router[router.index("--decode") + 1:] == ["http://t2:8100"]
+    # LNC=1 exposes all 128 physical cores
+    plans = plan(["t0"], "trn2.48xlarge", 1, 1, 64, "m", lnc=1)
+    check_invariants(plans, 128)
+    assert [e.env["NEURON_RT_VISIBLE_CORES"] for e in engines(plans)] == ["0-63", "64-127"]
+
+
+def test_p5en_gpus_ucx_and_libfabric() -> None:
+    plans = plan(["g0", "g1"], "p5en.48xlarge", 2, 3, 4, "Qwen/Qwen3-32B", decode_tp=2)
+    check_invariants(plans, 8)
+    es = engines(plans)
+    assert [e.env["CUDA_VISIBLE_DEVICES"] for e in es] == ["0,1,2,3", "4,5,6,7", "0,1", "2,3", "4,5"]
+    assert [e.host for e in es] == ["g0", "g0", "g1", "g1", "g1"]
+    for e in es:
+        assert e.env["UCX_TLS"] == "srd,cuda_copy,cuda_ipc,sm,self"
+        assert "NEURON_RT_VISIBLE_CORES" not in e.env
+        extra = kv_config(e)["kv_connector_extra_config"]
+        assert extra["hardware_backend"] == "cuda" and extra["nixl_backends"] == ["UCX"]
+        assert "--block-size" not in e.argv
+    lf = plan(["g0"], "p5en.48xlarge", 1, 1, 4, "m", nixl_backends=["LIBFABRIC"])
+    assert all("UCX_TLS" not in e.env for e in engines(lf))
+    assert all(e.env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0" for e in engines(lf))
+
+
+def test_hardware_limits_and_bad_input() -> None:
+    with pytest.raises(PlanError, match="exceeds the hardware"):
+        plan(["g0"], "p5en.48xlarge", 2, 1, 4, "m")  # 12 GPUs > 8
+    with pytest.raises(PlanError, match="exceeds the hardware"):
+        plan(["t0", "t1"], "trn2.48xlarge", 2, 2, 64, "m")  # 4 x 64 cores > 2 x 64
+    with pytest.raises(PlanError, match="cannot span instances"):
+        plan(["t0", "t1"], "trn2.48xlarge", 1, 1, 128, "m")  # LNC=2: 64 per host
+    with pytest.raises(PlanError, match="needs hardware backend 'neuron'"):
+        plan(["t0"], "trn2.48xlarge", 1, 1, 8, "m", hardware_backend="cuda")
+    with pytest.raises(PlanError, match="unknown instance"):
+        plan(["t0"], "trn1.32xlarge", 1, 1, 8, "m")
+    with pytest.raises(PlanError, match="each once"):
+        plan(["t0", "t0"], "trn2.48xlarge", 1, 1, 8, "m")
+    with pytest.raises(PlanError, match="port ranges overlap"):
+        plan(["t0"], "trn2.48xlarge", 1, 1, 8, "m", http_port=5600, side_channel_port=5600)
+    # exactly full is fine: 8 x TP 8 = 64 logical cores
+    check_invariants(plan(["t0"], "trn2.48xlarge", 4, 4, 8, "m"), INSTANCES["trn2.48xlarge"].units())
+
+
+def test_commands_script_and_router_host(tmp_path: Path) -> None:
+    plans = plan(["t0", "t1"], "trn2.48xlarge", 1, 1, 64, "m", router_host="edge",
+                 neuron_staging="host")
+    assert [p.host for p in plans] == ["t0", "t1", "edge"]
+    assert plans[2].engines == [] and plans[2].router and plans[0].router is None
+    e = plans[0].engines[0]
+    assert e.env["KVFERRY_NEURON_STAGING"] == "host"
+    assert kv_config(e)["kv_connector_extra_config"]["neuron_staging"] == "host"
+    cmd = shlex.split(e.command())
+    assert cmd[0] == "env" and "NEURON_RT_VISIBLE_CORES=0-63" in cmd
+    assert cmd[cmd.index("--kv-transfer-config") + 1] == e.argv[e.argv.index("--kv-transfer-config") + 1]
+    script = plans[2].script()
+    assert "http://t0:8100" in script and "curl -sf" in script and "kvferry router" in script
+    assert plans[0].ssh("/tmp/t0.sh") == "ssh t0 bash -s < /tmp/t0.sh"
+    hf = tmp_path / "hosts"
+    hf.write_text("# cluster\nt0 slots=1\n\nt1\n")
+    assert read_hosts("x,y", hf) == ["x", "y", "t0", "t1"]
+
+
+def test_cli_dry_run_and_scripts(tmp_path: Path) -> None:
+    app = typer.Typer()
+    app.add_typer(launch_app, name="launch")
+
+    @app.command()
+    def version() -> None:  # a second command so "launch" stays a sub-command
+        pass
+
+    r = CliRunner().invoke(app, ["launch", "--model", "m", "-i", "trn2.48xlarge", "--hosts", "t0",
+                                 "--prefill", "1", "--decode", "1", "--tp", "32", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "NEURON_RT_VISIBLE_CORES=32-63" in r.output and "kvferry router" in r.output
+    assert not (tmp_path / "out").exists()
+    r = CliRunner().invoke(app, ["launch", "--model", "m", "-i", "p5en.48xlarge", "--hosts", "g0",
+                                 "--tp", "8", "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "exceeds the hardware" in r.output
+    r = CliRunner().invoke(app, ["launch", "--model", "m", "-i", "p5en.48xlarge", "--hosts", "g0",
+                                 "--tp", "4", "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "g0.sh").read_text().startswith("#!/usr/bin/env bash")
+    assert "ssh g0 bash -s <" in r.output

@@ -1,0 +1,79 @@
+"""Pure parts of the router: body transforms, leg building, least-loaded choice."""
+
+from __future__ import annotations
+
+import pytest
+from kvferry.router import bodies
+from kvferry.router.app import resolve_mode
+from kvferry.router.flow import build_legs
+from kvferry.router.settings import RouterSettings
+from kvferry.router.upstreams import UpstreamPool
+from pydantic import ValidationError
+
+
+def test_sanitize_drops_router_fields_and_copies() -> None:
+    body = {"prompt": "x", "kv_transfer_params": {"a": 1}, "kvferry_mode": "pull",
+            "conversation_id": "c", "extra": {"n": [1]}}
+    clean = bodies.sanitize(body)
+    assert clean == {"prompt": "x", "extra": {"n": [1]}}
+    clean["extra"]["n"].append(2)
+    assert body["extra"] == {"n": [1]}
+
+
+def test_prefill_body_completions_vs_chat() -> None:
+    clean = {"prompt": "x", "max_tokens": 9, "stream": True, "stream_options": {}, "min_tokens": 3}
+    p = bodies.prefill_body(clean, bodies.COMPLETIONS, {"k": 1})
+    assert p == {"prompt": "x", "max_tokens": 1, "stream": False, "kv_transfer_params": {"k": 1}}
+    c = bodies.prefill_body({"messages": []}, bodies.CHAT, {})
+    assert c["max_tokens"] == 1 and c["max_completion_tokens"] == 1
+    assert clean["max_tokens"] == 9  # input untouched
+
+
+def test_decode_body_and_extract() -> None:
+    assert bodies.decode_body({"a": 1}, None) == {"a": 1}
+    assert bodies.decode_body({"a": 1}, {"b": 2}) == {"a": 1, "kv_transfer_params": {"b": 2}}
+    assert bodies.extract_kv_params({"kv_transfer_params": {"x": 1}}) == {"x": 1}
+    for bad in (None, [], {}, {"kv_transfer_params": None}, {"kv_transfer_params": {}},
+                {"kv_transfer_params": "s"}):
+        assert bodies.extract_kv_params(bad) is None
+
+
+def test_build_legs() -> None:
+    pull = build_legs("pull", bodies.COMPLETIONS, {"prompt": "x"}, "t1")
+    assert pull.decode_body is None
+    assert pull.prefill_body["kv_transfer_params"] == {"do_remote_decode": True,
+                                                       "transfer_id": "t1"}
+    push = build_legs("push", bodies.CHAT, {"messages": [], "stream": True}, "t2")
+    assert push.decode_body is not None
+    assert push.decode_body["kv_transfer_params"]["transfer_id"] == "t2"
+    assert push.decode_body["stream"] is True
+    assert push.prefill_body["kv_transfer_params"]["transfer_id"] == "t2"
+
+
+def test_least_loaded_round_robin_ties() -> None:
+    pool = UpstreamPool("p", ["a", "b", "c"])
+    assert [pool.choose().url for _ in range(4)] == ["a", "b", "c", "a"]
+    b = pool.upstreams[1]
+    pool.acquire(pool.upstreams[0])
+    pool.acquire(b)
+    assert pool.choose().url == "c"
+    with pool.lease() as up:
+        assert up.url == "c" and up.in_flight == 1
+    assert pool.upstreams[2].in_flight == 0
+    pool.release(b)
+    pool.release(b)
+    assert b.in_flight == 0
+
+
+def test_settings_and_mode() -> None:
+    s = RouterSettings(prefill_urls=["http://a:1/, http://b:2"], decode_urls=["http://c:3"])
+    assert s.prefill_urls == ["http://a:1", "http://b:2"]
+    with pytest.raises(ValidationError):
+        RouterSettings(prefill_urls=["a:1"], decode_urls=["http://c:3"])
+    with pytest.raises(ValidationError):
+        RouterSettings(prefill_urls=[], decode_urls=["http://c:3"])
+    assert resolve_mode(s, None, {}) == "pull"
+    with pytest.raises(ValueError, match="push mode not enabled"):
+        resolve_mode(s, "push", {})
+    assert resolve_mode(s.model_copy(update={"push_enabled": True}), None,
+                        {"kvferry_mode": "push"}) == "push"
