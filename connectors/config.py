@@ -12,6 +12,8 @@ class ConnectorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hardware_backend: Literal["cpu", "cuda", "neuron"] = "cpu"
+    transfer_mode: Literal["pull", "push"] = "pull"  # default when a request does not say
+    neuron_staging: Literal["auto", "device", "host"] = "auto"  # neuron: register HBM or stage
     nixl_backends: list[str] | None = None  # default: the memory backend's choice
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = Field(5600, ge=1, le=65535)  # + tp rank

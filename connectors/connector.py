@@ -51,17 +51,20 @@ class KvferryConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         self._sched.after_alloc(request.request_id, compat.request_blocks(blocks),
                                 num_external_tokens)
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            # One READ attempt per request: after a failed READ vLLM reschedules it, and
+            # it must then recompute instead of asking the same (dead) peer again.
+            params["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KvferryMeta(self._sched.take_meta())
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._sched.worker_done(set(connector_output.finished_sending or ()),
-                                set(connector_output.finished_recving or ()))
+        self._sched.worker_done(set(connector_output.finished_sending or ()))
 
     def request_finished(self, request: Any, block_ids: Any):
         params = request.kv_transfer_params
-        log.debug("request_finished %s status=%s params=%s blocks=%s", request.request_id, request.status, params, block_ids)
         return self._sched.finished(
             request.request_id, request.status in compat.FINISHED_OK,
             compat.first_group(block_ids), params, request.prompt_token_ids or [],

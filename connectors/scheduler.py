@@ -41,9 +41,6 @@ class StepMeta:
 
     recv: list[RecvTask] = field(default_factory=list)
     send: list[str] = field(default_factory=list)  # P: request ids whose blocks wait for D
-    # D: requests that finished while their READ was in flight; the worker reports them
-    # as finished-sending once the READ is over, so vLLM frees the blocks only then.
-    hold: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -64,7 +61,6 @@ class PullScheduler:
         self._rejected: dict[str, str] = {}
         self._meta = StepMeta()
         self.waiting_send: set[str] = set()  # P: delayed-free requests not yet reported
-        self.reading: set[str] = set()  # D: READs handed to the workers, not yet finished
 
     # -- D side ------------------------------------------------------------------------
     def matched_tokens(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any] | None,
@@ -117,7 +113,6 @@ class PullScheduler:
             self._meta.recv.append(RecvTask(req_id, [], [], pend.offer, release_only=True))
             return
         self._meta.recv.append(RecvTask(req_id, local, remote, pend.offer))
-        self.reading.add(req_id)
 
     def rejection(self, req_id: str) -> str | None:
         return self._rejected.get(req_id)
@@ -130,9 +125,8 @@ class PullScheduler:
         pend = self._offers.pop(req_id, None)
         if pend is not None:  # D request ended before its blocks were allocated
             self._meta.recv.append(RecvTask(req_id, [], [], pend.offer, release_only=True))
-        if req_id in self.reading:  # D request aborted mid-READ: free blocks after it ends
-            self._meta.hold.append(req_id)
-            return True, None
+        # A D request aborted mid-READ needs nothing here: vLLM keeps its blocks until the
+        # worker reports the READ finished (done or failed).
         if not params or not params.get("do_remote_decode") or not ok or not block_ids:
             return False, None
         offer = RemotePrefill(
@@ -145,10 +139,9 @@ class PullScheduler:
         self.waiting_send.add(req_id)
         return True, sign(offer)
 
-    def worker_done(self, sent: set[str], recvd: set[str]) -> None:
-        """Workers reported finished sends (P frees) and finished/failed READs (D)."""
+    def worker_done(self, sent: set[str]) -> None:
+        """Workers reported finished sends: P's blocks are free again."""
         self.waiting_send -= sent
-        self.reading -= recvd
 
     def take_meta(self) -> StepMeta:
         meta, self._meta = self._meta, StepMeta()

@@ -63,7 +63,6 @@ class TransferWorker:
         self._reads: dict[str, _Read] = {}
         self._send_wait: dict[str, float] = {}
         self._early: dict[str, float] = {}
-        self._hold: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"kvferry-xfer-r{rank}", daemon=True)
         self._thread.start()
         log.info("kvferry worker %s rank %d: %d regions, %d planes, side channel %s",
@@ -71,7 +70,7 @@ class TransferWorker:
 
     # -- engine thread -----------------------------------------------------------------
     def submit(self, meta: StepMeta) -> None:
-        if meta.recv or meta.send or meta.hold:
+        if meta.recv or meta.send:
             self._inbox.put(meta)
 
     def results(self) -> _Results:
@@ -106,13 +105,8 @@ class TransferWorker:
                 self._report(sent={req_id})
             else:
                 self._send_wait[req_id] = now + self.cfg.send_timeout_s
-        self._hold.update(meta.hold)
         for task in meta.recv:
             self._start_read(task, now)
-        for req_id in list(self._hold):  # hold for a READ that already ended
-            if req_id not in self._reads:
-                self._hold.discard(req_id)
-                self._report(sent={req_id})
 
     def _peer(self, task: RecvTask) -> Peer:
         o = task.offer
@@ -143,7 +137,11 @@ class TransferWorker:
                 return
             log.warning("request %s: READ from %s failed (%s); recomputing", task.req_id,
                         task.offer.remote_engine_id, e)
-            self.transport.drop_peer(f"{task.offer.remote_engine_id}/{self.rank}")
+            peer_key = f"{task.offer.remote_engine_id}/{self.rank}"
+            if isinstance(e, HandshakeError | TransferError):
+                self.transport.drop_peer(peer_key)  # re-handshake next time (P may restart)
+            elif (peer := self.transport.peer(peer_key)) is not None:
+                self._release(peer, notif)  # bad ids, good peer: let P free now
             self._fail(task)
             return
         self._reads[task.req_id] = _Read(task, xfer, now + self.cfg.recv_timeout_s, now)
@@ -165,9 +163,6 @@ class TransferWorker:
                 self.transport.release(rd.xfer)
                 self.transport.drop_peer(f"{rd.task.offer.remote_engine_id}/{self.rank}")
                 self._fail(rd.task)
-            if req_id in self._hold:
-                self._hold.discard(req_id)
-                self._report(sent={req_id})
         for msg in self.transport.notifications():
             if msg.startswith(DONE_PREFIX):
                 req_id = msg[len(DONE_PREFIX):].decode(errors="replace")
@@ -184,6 +179,12 @@ class TransferWorker:
         for req_id, deadline in list(self._early.items()):
             if now >= deadline:
                 del self._early[req_id]
+
+    def _release(self, peer: Peer, notif: bytes) -> None:
+        try:
+            self.transport.notify(peer, notif)
+        except Exception as e:  # best effort: P's send timeout frees the blocks anyway
+            log.debug("release notice to %s: %s", peer.agent_name, e)
 
     def _fail(self, task: RecvTask) -> None:
         with self._lock:

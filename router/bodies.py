@@ -14,8 +14,11 @@ from typing import Any
 ROUTER_FIELDS = ("kv_transfer_params", "kvferry_mode", "conversation_id")
 """Body fields the router consumes and never forwards."""
 
-PREFILL_DROP = ("stream_options", "min_tokens")
-"""Removed for the prefill leg: no stream there, and min_tokens > 1 would clash with max 1."""
+PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "n", "best_of",
+                "echo", "prompt_logprobs")
+"""Removed for the prefill leg: no stream there, min_tokens > 1 would clash with max 1, and
+P's single throw-away token needs no logprobs (vLLM 0.32 omits kv_transfer_params from a
+response that asked for logprobs, which would silently turn the request into a recompute)."""
 
 CHAT = "chat"
 COMPLETIONS = "completions"

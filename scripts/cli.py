@@ -8,6 +8,8 @@ conversation, stop everything (process groups, no orphans) and exit with the dem
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shlex
 import signal
 import socket
@@ -21,11 +23,14 @@ import typer
 
 from .demo import run_demo
 from .engines import BACKENDS, CONNECTORS, ROLES, EngineSpec, engine_argv, engine_env
+from .launch import launch_app
 from .modelgen import SHAPES, write_model
 from .procs import Child, StartupError, died_message, first_dead, stop_all, wait_healthy
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvferry: prefill/decode disaggregated serving on vLLM.")
+
+app.add_typer(launch_app, name="launch")
 
 STATE_DIR = Path(".kvferry")
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -49,10 +54,12 @@ def _choice(value: str, allowed: tuple[str, ...], flag: str) -> str:
 def model(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.")],
     shape: Annotated[str, typer.Option(help=f"One of: {', '.join(SHAPES)}.")] = "tiny",
+    weights: Annotated[bool, typer.Option(
+        help="Also write deterministic random weights (small shapes).")] = False,
 ) -> None:
-    """Write a dummy-weight model dir (config + locally trained tokenizer)."""
+    """Write a model dir (config + locally trained tokenizer [+ generated weights])."""
     _choice(shape, tuple(SHAPES), "--shape")
-    typer.echo(str(write_model(out_dir, shape)))
+    typer.echo(str(write_model(out_dir, shape, weights)))
 
 
 @app.command()
@@ -126,11 +133,13 @@ def _up(
     if model_dir is None:
         model_dir = STATE_DIR / "models" / "tiny"
         if not dry_run:
-            write_model(model_dir, "tiny")
+            write_model(model_dir, "tiny", weights=True)
     extra = tuple(a for chunk in engine_arg for a in shlex.split(chunk)) + tuple(ctx.args)
     ports = {"prefill": prefill_port, "decode": decode_port}
     logs = STATE_DIR / "logs"
     children: list[Child] = []
+    # P signs its offers, D verifies them: one secret per deployment (see connectors/params.py).
+    secret = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
     for role in ROLES:
         spec = EngineSpec(
             role=role, model=str(model_dir.resolve()), port=ports[role],
@@ -141,7 +150,8 @@ def _up(
             ucx_tls=ucx_tls, extra_args=extra,
         )
         children.append(Child(role, engine_argv(spec), logs / f"{role}.log",
-                              f"http://127.0.0.1:{ports[role]}/health", engine_env(spec)))
+                              f"http://127.0.0.1:{ports[role]}/health",
+                              {**engine_env(spec), "KVFERRY_SECRET": secret}))
     router_url = f"http://127.0.0.1:{router_port}"
     router_argv = [sys.executable, "-m", "kvferry.scripts.cli", "router",
                    "--prefill", f"http://127.0.0.1:{prefill_port}",

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 Backend = Literal["cpu", "cuda", "neuron"]
@@ -44,12 +45,18 @@ class EngineSpec:
     ucx_tls: str | None = None
     served_model_name: str | None = None
     extra_args: tuple[str, ...] = ()
+    connector_extra: dict[str, Any] = field(default_factory=dict)  # merged into extra config
     python: str = field(default=sys.executable)
 
     @property
     def index(self) -> int:
         """0 for prefill, 1 for decode: selects cores, devices and ports."""
         return ROLES.index(self.role)
+
+    @property
+    def load_format(self) -> str:
+        """Real (generated) weights when the model dir has them, else vLLM's dummy init."""
+        return "auto" if (Path(self.model) / "model.safetensors").exists() else "dummy"
 
     @property
     def side_port(self) -> int:
@@ -69,6 +76,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
                 "side_channel_host": spec.host,
                 "side_channel_port": spec.side_port,
                 "transfer_mode": spec.mode,
+                **spec.connector_extra,
             },
         }
     if spec.connector == "vllm-nixl":
@@ -87,7 +95,7 @@ def engine_argv(spec: EngineSpec) -> list[str]:
         "--model", spec.model,
         "--host", spec.host,
         "--port", str(spec.port),
-        "--load-format", "dummy",
+        "--load-format", spec.load_format,
         "--seed", "0",
         "--max-model-len", str(spec.max_model_len),
         "--enforce-eager",

@@ -169,8 +169,57 @@ def tokenizer_config(shape: Shape, special_ids: dict[str, int]) -> dict[str, Any
     }
 
 
-def write_model(out_dir: str | Path, shape_name: str = "tiny") -> Path:
-    """Write config, generation config and tokenizer files for `shape_name` into out_dir."""
+def write_weights(out: Path, shape: Shape, seed: int = 0) -> Path:
+    """Deterministic random weights (safetensors) for small shapes.
+
+    vLLM's dummy loader draws every weight from U(-1e-3, 1e-3): logits come out almost
+    uniform (all top-k logprobs ~ -ln(vocab)), so a wrong KV block barely moves them.
+    Weights scaled like a trained model give peaked, input-sensitive logits, which is what
+    a test that must catch a wrong or partial KV block needs.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, hd, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
+
+    def lin(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) / cols**0.5).to(torch.bfloat16)
+
+    def ones(n: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": (0.3 * torch.randn(shape.vocab_size, h, generator=g)).to(torch.bfloat16),
+        "model.norm.weight": ones(h),
+    }
+    for layer in range(shape.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        t.update({
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
+            p + "self_attn.q_proj.weight": lin(shape.num_attention_heads * hd, h),
+            p + "self_attn.k_proj.weight": lin(shape.num_key_value_heads * hd, h),
+            p + "self_attn.v_proj.weight": lin(shape.num_key_value_heads * hd, h),
+            p + "self_attn.o_proj.weight": lin(h, shape.num_attention_heads * hd),
+            p + "self_attn.q_norm.weight": ones(hd),
+            p + "self_attn.k_norm.weight": ones(hd),
+            p + "mlp.gate_proj.weight": lin(i, h),
+            p + "mlp.up_proj.weight": lin(i, h),
+            p + "mlp.down_proj.weight": lin(h, i),
+        })
+    if not shape.tie_word_embeddings:
+        t["lm_head.weight"] = lin(shape.vocab_size, h)
+    path = out / "model.safetensors"
+    save_file(t, str(path), metadata={"format": "pt"})
+    return path
+
+
+def write_model(out_dir: str | Path, shape_name: str = "tiny", weights: bool = False) -> Path:
+    """Write config, generation config and tokenizer files for `shape_name` into out_dir.
+
+    With ``weights`` (small shapes only) also a deterministic safetensors checkpoint.
+    """
     if shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; choose from {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
@@ -196,4 +245,8 @@ def write_model(out_dir: str | Path, shape_name: str = "tiny") -> Path:
     for name, obj in files.items():
         (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
+    if weights:
+        if shape.hidden_size > 1024:
+            raise ValueError("weights are generated for small shapes only; use --load-format dummy")
+        write_weights(out, shape)
     return out
