@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from kvferry.connectors.memory import HARDWARE_BACKENDS, get_backend
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvferry.connectors.memory import HARDWARE_BACKENDS, get_backend
 
 
 class ConnectorConfig(BaseModel):

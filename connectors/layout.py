@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from kvferry.connectors.memory import KVLayout
 
 
@@ -20,9 +21,9 @@ class LayoutMismatch(ValueError):
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     if local.signature() != remote.signature():
         raise LayoutMismatch(
-            f"KV layouts differ: local (block_size, plane bytes)={local.signature()[0]}, "
-            f"{local.signature()[1][:4]}..., remote={remote.signature()[0]}, "
-            f"{remote.signature()[1][:4]}..."
+            f"KV layouts differ: local block_size {local.signature()[0]}, planes "
+            f"{local.signature()[1][:2]}...; remote {remote.signature()[0]}, "
+            f"{remote.signature()[1][:2]}..."
         )
 
 
@@ -48,13 +49,18 @@ def _check_ids(layout: KVLayout, ids: Sequence[int], side: str) -> None:
 
 
 def descriptors(
-    local: KVLayout, remote: KVLayout, local_ids: Sequence[int], remote_ids: Sequence[int]
+    local: KVLayout, remote: KVLayout, local_ids: Sequence[int], remote_ids: Sequence[int],
+    merge: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Nx3 (addr, len, dev) arrays for both sides, same order, runs merged per plane."""
+    """Nx3 (addr, len, dev) arrays for both sides, same order, runs merged per plane.
+
+    ``merge=False`` keeps one descriptor per block (only to measure what merging buys).
+    """
     check_compatible(local, remote)
     _check_ids(local, local_ids, "local")
     _check_ids(remote, remote_ids, "remote")
-    rs = runs(local_ids, remote_ids)
+    rs = runs(local_ids, remote_ids) if merge else [(a, b, 1) for a, b in zip(local_ids, remote_ids,
+                                                                               strict=True)]
     loc: list[tuple[int, int, int]] = []
     rem: list[tuple[int, int, int]] = []
     for lp, rp in zip(local.planes, remote.planes, strict=True):

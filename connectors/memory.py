@@ -42,6 +42,7 @@ class Plane:
     stride: int
     block_bytes: int
     num_blocks: int
+    fmt: str = ""  # inner dims and their memory order: peers must match, not just byte counts
 
     def block_addr(self, block_id: int) -> int:
         if not 0 <= block_id < self.num_blocks:
@@ -58,14 +59,14 @@ class KVLayout:
     num_blocks: int
     block_size: int  # tokens per block
 
-    def signature(self) -> tuple[int, tuple[int, ...]]:
+    def signature(self) -> tuple[int, tuple[tuple[int, str], ...]]:
         """What two peers must share for a block-for-block copy."""
-        return self.block_size, tuple(p.block_bytes for p in self.planes)
+        return self.block_size, tuple((p.block_bytes, p.fmt) for p in self.planes)
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "regions": [[r.addr, r.length, r.device_id, r.mem_type] for r in self.regions],
-            "planes": [[p.region, p.base, p.stride, p.block_bytes, p.num_blocks]
+            "planes": [[p.region, p.base, p.stride, p.block_bytes, p.num_blocks, p.fmt]
                        for p in self.planes],
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
@@ -75,7 +76,7 @@ class KVLayout:
     def from_wire(cls, d: Mapping[str, Any]) -> KVLayout:
         return cls(
             regions=tuple(Region(int(a), int(n), int(dev), str(t)) for a, n, dev, t in d["regions"]),
-            planes=tuple(Plane(*map(int, p)) for p in d["planes"]),
+            planes=tuple(Plane(*map(int, p[:5]), *(str(x) for x in p[5:6])) for p in d["planes"]),
             num_blocks=int(d["num_blocks"]),
             block_size=int(d["block_size"]),
         )
@@ -97,18 +98,22 @@ def planes_of_array(
     inner = shape[block_dim + 1:]
     block_bytes = math.prod(inner) * elem_bytes
     expect = elem_bytes
-    for size, st in zip(reversed(inner), reversed(strides_bytes[block_dim + 1:]), strict=True):
+    # Inner dims may be permuted in memory (vLLM's HND/NHD stride orders): a block is one
+    # byte range iff the inner dims, taken by increasing stride, are densely packed.
+    for size, st in sorted(zip(inner, strides_bytes[block_dim + 1:], strict=True), key=lambda x: x[1]):
         if size != 1 and st != expect:
             raise ValueError(
                 f"KV block is not contiguous (shape {tuple(shape)}, strides {tuple(strides_bytes)})"
             )
         expect *= size
+    order = sorted(range(len(inner)), key=lambda i: -strides_bytes[block_dim + 1 + i])
+    fmt = "x".join(map(str, inner)) + "/" + "".join(map(str, order))
     outer = shape[:block_dim]
     planes = []
     for idx in _ndindex(outer):
         off = sum(i * s for i, s in zip(idx, strides_bytes[:block_dim], strict=True))
         planes.append(Plane(region, base + off, strides_bytes[block_dim], block_bytes,
-                            shape[block_dim]))
+                            shape[block_dim], fmt))
     return planes
 
 
@@ -150,6 +155,9 @@ class TorchMemoryBackend(MemoryBackend):
             dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
             if not dims:
                 raise ValueError(f"{name}: no dimension of size num_blocks={num_blocks} in {tuple(t.shape)}")
+            if len(dims) > 1 and any(t.shape[d] == 2 for d in range(dims[1])):
+                raise ValueError(f"{name}: block dimension ambiguous in {tuple(t.shape)} "
+                                 f"(num_blocks={num_blocks} equals the K/V axis)")
             es = t.element_size()
             planes += planes_of_array(region_of[key], t.data_ptr(), list(t.shape),
                                       [s * es for s in t.stride()], es, dims[0])

@@ -54,10 +54,19 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def _mac(offer: RemotePrefill, key: bytes) -> str:
-    """MAC over the offer's own fields only: vLLM adds keys of its own on the way."""
-    payload = msgspec.json.encode(msgspec.to_builtins(offer), order="sorted")
-    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+def _mac(obj: msgspec.Struct, key: bytes) -> str:
+    """MAC over a struct's own fields only (vLLM adds keys of its own on the way)."""
+    body = {k: v for k, v in msgspec.to_builtins(obj).items() if k != "sig"}
+    return hmac.new(key, msgspec.json.encode(body, order="sorted"), hashlib.sha256).hexdigest()
+
+
+def struct_sig(obj: msgspec.Struct) -> str:
+    """Signature of a message between engines of this deployment (see messages.Register)."""
+    return _mac(obj, secret())
+
+
+def struct_sig_ok(obj: msgspec.Struct, sig: str) -> bool:
+    return hmac.compare_digest(sig, _mac(obj, secret()))
 
 
 def sign(offer: RemotePrefill, key: bytes | None = None) -> dict[str, Any]:
@@ -71,14 +80,17 @@ def parse_offer(params: Mapping[str, Any], key: bytes | None = None) -> RemotePr
     if not isinstance(params, Mapping):
         raise InvalidParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
     sig = params.get(SIG)
-    if not isinstance(sig, str):
+    if not isinstance(sig, str) or len(sig) != 64 or not sig.isascii():
         raise InvalidParams("offer is not signed by a kvferry prefill engine")
+    k = secret() if key is None else key
+    if not k:
+        raise InvalidParams(f"{SECRET_ENV} is not set on this engine: offers cannot be verified")
     try:
         offer = msgspec.convert({k: v for k, v in params.items() if k in RemotePrefill.__struct_fields__},
                                 RemotePrefill)
     except msgspec.ValidationError as e:
         raise InvalidParams(f"malformed offer: {e}") from e
-    if not hmac.compare_digest(sig, _mac(offer, secret() if key is None else key)):
+    if not hmac.compare_digest(sig, _mac(offer, k)):
         raise InvalidParams("offer signature does not match (tampered or another deployment)")
     if any(b < 0 for b in offer.remote_block_ids):
         raise InvalidParams("negative block id in offer")

@@ -96,9 +96,9 @@ class Transport:
 
     # -- transfers -----------------------------------------------------------------------
     def start(self, op: str, peer: Peer, local_ids: Sequence[int], remote_ids: Sequence[int],
-              notif: bytes = b"") -> Transfer:
+              notif: bytes = b"", merge: bool = True) -> Transfer:
         """Post a READ (remote -> local) or WRITE (local -> remote) of whole blocks."""
-        loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids)
+        loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids, merge)
         nbytes = int(loc[:, 1].sum()) if len(loc) else 0
         if not len(loc):  # nothing to move: still deliver the notification
             if notif:

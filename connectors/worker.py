@@ -12,6 +12,7 @@ its local block ids as load errors, so vLLM recomputes (or fails, per policy).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -22,7 +23,7 @@ from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
 from kvferry.connectors.memory import KVLayout
 from kvferry.connectors.scheduler import RecvTask, StepMeta
-from kvferry.connectors.transport import Peer, Transfer, TransferError, Transport
+from kvferry.connectors.transport import Peer, Transfer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -89,11 +90,8 @@ class TransferWorker:
         while not self._stop.is_set():
             busy = bool(self._reads)
             try:
-                meta = self._inbox.get(timeout=0.0005 if busy else 0.01)
-                self._accept(meta)
-            except queue.Empty:
-                pass
-            try:
+                with contextlib.suppress(queue.Empty):
+                    self._accept(self._inbox.get(timeout=0.0005 if busy else 0.01))
                 self._progress()
             except Exception:  # never let the thread die: requests would hang
                 log.exception("kvferry transfer thread")
@@ -130,7 +128,7 @@ class TransferWorker:
                 return
             xfer = self.transport.start("READ", peer, task.local_block_ids,
                                         task.remote_block_ids, notif)
-        except (HandshakeError, TransferError, ValueError, IndexError) as e:
+        except Exception as e:  # any failure of one request must end in a recompute, not a hang
             if task.release_only:
                 log.warning("could not tell %s to free %s: %s", task.offer.remote_engine_id,
                             task.offer.remote_request_id, e)
@@ -138,7 +136,7 @@ class TransferWorker:
             log.warning("request %s: READ from %s failed (%s); recomputing", task.req_id,
                         task.offer.remote_engine_id, e)
             peer_key = f"{task.offer.remote_engine_id}/{self.rank}"
-            if isinstance(e, HandshakeError | TransferError):
+            if not isinstance(e, ValueError | IndexError):
                 self.transport.drop_peer(peer_key)  # re-handshake next time (P may restart)
             elif (peer := self.transport.peer(peer_key)) is not None:
                 self._release(peer, notif)  # bad ids, good peer: let P free now
@@ -154,8 +152,9 @@ class TransferWorker:
                 continue
             del self._reads[req_id]
             if state == "DONE":
-                log.debug("READ %s: %d B in %d desc, %.1f ms", req_id, rd.xfer.nbytes,
-                          rd.xfer.ndesc, (now - rd.started) * 1e3)
+                log.info("kvferry READ %s: %d blocks, %d B in %d descriptors, %.1f ms", req_id,
+                         len(rd.task.local_block_ids), rd.xfer.nbytes, rd.xfer.ndesc,
+                         (now - rd.started) * 1e3)
                 self._report(recvd={req_id})
             else:
                 log.warning("request %s: READ %s; recomputing", req_id,

@@ -15,7 +15,7 @@ ROUTER_FIELDS = ("kv_transfer_params", "kvferry_mode", "conversation_id")
 """Body fields the router consumes and never forwards."""
 
 PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "n", "best_of",
-                "echo", "prompt_logprobs")
+                "echo", "prompt_logprobs", "return_token_ids")
 """Removed for the prefill leg: no stream there, min_tokens > 1 would clash with max 1, and
 P's single throw-away token needs no logprobs (vLLM 0.32 omits kv_transfer_params from a
 response that asked for logprobs, which would silently turn the request into a recompute)."""

@@ -21,6 +21,7 @@ from typing import Annotated
 
 import typer
 
+from .bench import bench
 from .demo import run_demo
 from .engines import BACKENDS, CONNECTORS, ROLES, EngineSpec, engine_argv, engine_env
 from .launch import launch_app
@@ -31,6 +32,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvferry: prefill/decode disaggregated serving on vLLM.")
 
 app.add_typer(launch_app, name="launch")
+app.command(name="bench")(bench)
 
 STATE_DIR = Path(".kvferry")
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}

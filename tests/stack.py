@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 from helpers_http import serve
+
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
 from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env
@@ -60,6 +61,10 @@ class Engine:
     def log(self) -> str:
         return self.child.log_path.read_text(errors="replace")
 
+    def reads(self) -> int:
+        """kvferry READs this engine completed (its transfer thread logs each one)."""
+        return self.log_count(r"kvferry READ ")
+
     def log_count(self, pattern: str) -> int:
         return len(re.findall(pattern, self.log()))
 
@@ -75,10 +80,12 @@ class Stack:
 
 
 def start_engine(role: str, model: str, logs: Path, secret: str, connector: str = "kvferry",
-                 extra: dict[str, Any] | None = None, cpus: tuple[int, ...] | None = None) -> Engine:
+                 extra: dict[str, Any] | None = None, cpus: tuple[int, ...] | None = None,
+                 backend: str = "cpu", engine_args: tuple[str, ...] = ()) -> Engine:
     port, side = free_port(), free_port()
     spec = EngineSpec(role=role, model=model, port=port, connector=connector,  # type: ignore[arg-type]
-                      side_channel_port=side, cpus=cpus, connector_extra=extra or {})
+                      side_channel_port=side, cpus=cpus, connector_extra=extra or {},
+                      backend=backend, extra_args=engine_args)  # type: ignore[arg-type]
     env = {**engine_env(spec), "KVFERRY_SECRET": secret}
     child = Child(role, engine_argv(spec), logs / f"{role}-{port}.log",
                   f"http://127.0.0.1:{port}/health", env)
@@ -88,11 +95,12 @@ def start_engine(role: str, model: str, logs: Path, secret: str, connector: str 
 
 @contextmanager
 def pd_stack(model: str, logs: Path, connector: str = "kvferry",
-             extra: dict[str, Any] | None = None) -> Iterator[Stack]:
+             extra: dict[str, Any] | None = None, backend: str = "cpu",
+             engine_args: tuple[str, ...] = ()) -> Iterator[Stack]:
     secret = secrets.token_hex(16)
     with ExitStack() as stack:
-        p = start_engine("prefill", model, logs, secret, connector, extra)
-        d = start_engine("decode", model, logs, secret, connector, extra)
+        p = start_engine("prefill", model, logs, secret, connector, extra, None, backend, engine_args)
+        d = start_engine("decode", model, logs, secret, connector, extra, None, backend, engine_args)
         children = [p.child, d.child]
         stack.callback(stop_all, children)
         wait_healthy(children, STARTUP_S)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from helpers_http import closed_port_url
+from typer.testing import CliRunner
+
 from kvferry.scripts import cli
 from kvferry.scripts.engines import (
     EngineSpec,
@@ -25,7 +27,6 @@ from kvferry.scripts.engines import (
     kv_transfer_config,
 )
 from kvferry.scripts.procs import Child, stop_all
-from typer.testing import CliRunner
 
 HELPERS = Path(__file__).with_name("helpers_http.py")
 runner = CliRunner()

@@ -14,8 +14,6 @@ import time
 import httpx
 import msgspec
 import pytest
-from kvferry.connectors.params import RemotePrefill, prompt_hash, sign
-from kvferry.scripts.modelgen import write_model
 from stack import (
     assert_same_output,
     complete,
@@ -23,6 +21,9 @@ from stack import (
     outputs_differ,
     pd_stack,
 )
+
+from kvferry.connectors.params import RemotePrefill, prompt_hash, sign
+from kvferry.scripts.modelgen import write_model
 
 pytestmark = pytest.mark.engine
 

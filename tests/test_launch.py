@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import typer
-from kvferry.scripts.launch import INSTANCES, PlanError, launch_app, plan, read_hosts
 from typer.testing import CliRunner
+
+from kvferry.scripts.launch import INSTANCES, PlanError, launch_app, plan, read_hosts
 
 
 def engines(plans):

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from kvferry.connectors.lease import DEFAULT_TTL, FreeBlocks, LeaseError, LeaseTable
 
 

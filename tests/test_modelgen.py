@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvferry.scripts.modelgen import IM_END, SHAPES, write_model
 
 FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

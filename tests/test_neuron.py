@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from kvferry.connectors.memory import DRAM, VRAM, get_backend
 from kvferry.neuron import envcheck, libnrt
 from kvferry.neuron.arrays import NeuronArray

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from kvferry.connectors.memory import DRAM, KVLayout
 from kvferry.neuron import envcheck, libnrt
 from kvferry.neuron.backend import NeuronBackend

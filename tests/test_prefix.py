@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvferry.connectors.prefix import block_hashes, matching_prefix_blocks, matching_prefix_tokens
 
 TOK = list(range(100, 200))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvferry.router.registry import (
     ANONYMOUS,
     ConversationEntry,

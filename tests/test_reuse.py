@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvferry.connectors.prefix import block_hashes
 from kvferry.connectors.reuse import REASONS, Decision, RemoteOffer, decide_reuse
 

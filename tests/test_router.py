@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers_http import FakeEngine, closed_port_url, serve
+
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
+
 from kvferry.router import bodies
 from kvferry.router.app import resolve_mode
 from kvferry.router.flow import build_legs
 from kvferry.router.settings import RouterSettings
 from kvferry.router.upstreams import UpstreamPool
-from pydantic import ValidationError
 
 
 def test_sanitize_drops_router_fields_and_copies() -> None:

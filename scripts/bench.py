@@ -1,0 +1,441 @@
+"""`kvferry bench`: open-loop load against one or more RUNNING stacks, side by side.
+
+For every input length, every offered rate and every target (targets back to back per
+point, same arrival schedule), requests with random token-id prompts are streamed to
+`<target>/v1/completions`; per request TTFT, TPOT, the router's `x-kvferry-*` headers and
+(when the router reports the P leg's duration) the handoff are measured. One JSON line per
+(target, input_len, qps[, turn]) is appended to
+`benchmarks/results/<experiment>-<hardware>-<YYYYMMDD>.jsonl` (format:
+shared/bench-schema.md). Engines are never started here.
+
+Prompts are distinct per target unless --same-prompts: two targets that share engines
+(e.g. one router, `x-kvferry-mode=push|pull` per target) would otherwise hit P's prefix
+cache on the second target. Random ids make compute cost independent of content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from .bench_core import (
+    Result,
+    Target,
+    arrival_offsets,
+    assess_sustainable,
+    latency_fields,
+    make_prompt,
+    parse_target,
+    random_tokens,
+    request_body,
+    send_request,
+    split_list,
+)
+
+DEFAULT_NUM_REQUESTS = 32
+CANCEL_GRACE_S = 5.0
+
+
+@dataclass
+class BenchConfig:
+    """One `kvferry bench` run."""
+
+    targets: list[Target]
+    input_lens: list[int]
+    qps_list: list[float]
+    output_len: int = 128
+    arrival: str = "poisson"
+    seed: int = 0
+    num_requests: int | None = None
+    duration_s: float | None = None
+    vocab: int = 1000
+    prefix_len: int = 0
+    turns: int = 1
+    turn_growth: int = 256
+    think_time_s: float = 0.0
+    request_timeout_s: float = 300.0
+    same_prompts: bool = False
+    warmup: int = 1
+    served_model: str | None = None
+    experiment: str = "push_vs_pull"
+    hardware: str = "cpu"
+    model_name: str = "tiny"
+    results_dir: Path = Path("benchmarks/results")
+    raw_path: Path | None = None
+    plot_path: Path | None = None
+    progress: bool = True
+    command: str = ""
+    commit: str | None = None
+    commit_dirty: bool | None = None
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    started: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+
+    @property
+    def count(self) -> int | None:
+        if self.num_requests is None and self.duration_s is None:
+            return DEFAULT_NUM_REQUESTS
+        return self.num_requests
+
+    @property
+    def out_path(self) -> Path:
+        day = self.started.strftime("%Y%m%d")
+        return self.results_dir / f"{self.experiment}-{self.hardware}-{day}.jsonl"
+
+    def planned(self, qps: float) -> int | None:
+        """Conversations (requests when turns == 1) per point; None if only time-bounded."""
+        if qps > 0:
+            return len(arrival_offsets(qps, self.arrival, "plan", self.count, self.duration_s))
+        return self.count
+
+
+@dataclass
+class PointRun:
+    """Raw outcome of one (target, input_len, qps) point."""
+
+    target: Target
+    input_len: int
+    qps: float
+    t0: float
+    results: list[Result]
+    history_exact: bool = True
+
+
+def git_commit(start: Path | None = None) -> tuple[str | None, bool | None]:
+    """(HEAD, dirty) of the repo holding this package (or the cwd); (None, None) if unknown."""
+    for where in (start or Path(__file__).resolve().parents[1], Path.cwd()):
+        try:
+            head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], check=True,
+                                  capture_output=True, text=True, timeout=10).stdout.strip()
+            st = subprocess.run(["git", "-C", str(where), "status", "--porcelain",
+                                 "--untracked-files=no"], capture_output=True, text=True,
+                                timeout=10).stdout
+            return head, bool(st.strip())
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None, None
+
+
+async def resolve_model(client: httpx.AsyncClient, target: Target, served: str | None) -> str | None:
+    """Model name for the body: the target's, --served-model, else the first of /v1/models."""
+    if target.model or served:
+        return target.model or served
+    try:
+        resp = await client.get(target.url + "/v1/models", timeout=10)
+        data = resp.json().get("data") or []
+        return str(data[0]["id"]) if data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+async def check_health(client: httpx.AsyncClient, target: Target) -> str | None:
+    """None when GET /health answers 200, else a message."""
+    try:
+        resp = await client.get(target.url + "/health", timeout=10)
+    except httpx.HTTPError as exc:
+        return f"{target.name} ({target.url}): {type(exc).__name__}: {exc}"
+    return None if resp.status_code == 200 else f"{target.name}: /health HTTP {resp.status_code}"
+
+
+async def run_point(client: httpx.AsyncClient, cfg: BenchConfig, target: Target, model: str | None,
+                    input_len: int, qps: float,
+                    on_result: Callable[[Result], None] = lambda r: None) -> PointRun:
+    """Drive one point: open-loop arrivals (qps > 0) or one conversation at a time (qps 0).
+
+    Each arrival starts a conversation of cfg.turns turns (1: a plain request); turn k+1 is
+    sent when turn k finished (+ think time), its prompt = turn k's prompt + turn k's
+    output ids + turn_growth new ids. Bounded by count/duration and per-request timeouts;
+    whatever is still running CANCEL_GRACE_S after its last possible deadline is cancelled
+    and counted as a timeout.
+    """
+    salt = "" if cfg.same_prompts else target.salt
+    pseed = f"{cfg.seed}:{salt}:{input_len}:{qps:g}"
+    prefix = None
+    if cfg.prefix_len:
+        prefix = random_tokens(f"{cfg.seed}:{salt}:prefix:{input_len}",
+                               min(cfg.prefix_len, input_len), cfg.vocab)
+    multi = cfg.turns > 1
+    results: list[Result] = []
+    point = PointRun(target, input_len, qps, time.perf_counter(), results)
+
+    def first_prompt(i: int) -> list[int]:
+        return make_prompt(f"{pseed}:{i}", input_len, cfg.vocab, prefix)
+
+    async def conversation(i: int, scheduled: float, prompt: list[int]) -> None:
+        cid = f"bench-{cfg.run_id}-{target.name}-{input_len}-{qps:g}-{i}" if multi else None
+        for turn in range(1, cfg.turns + 1):
+            res = Result(target=target.name, index=i, prompt_len=len(prompt),
+                         turn=turn if multi else None, conversation=i if multi else None,
+                         scheduled=scheduled)
+            results.append(res)
+            body = request_body(prompt, cfg.output_len, model, cid, token_ids=multi)
+            await send_request(client, target, body, res, cfg.request_timeout_s)
+            on_result(res)
+            if not res.ok or turn == cfg.turns:
+                return
+            out = res.output_ids
+            if out is None or len(out) != res.n_tokens:
+                point.history_exact = False  # the target did not return token ids
+                out = random_tokens(f"{pseed}:{i}:out{turn}", res.n_tokens, cfg.vocab)
+            prompt = prompt + out + random_tokens(f"{pseed}:{i}:t{turn + 1}", cfg.turn_growth,
+                                                  cfg.vocab)
+            if cfg.think_time_s > 0:
+                await asyncio.sleep(cfg.think_time_s)
+            scheduled = time.perf_counter()
+
+    per_conv_s = cfg.turns * (cfg.request_timeout_s + cfg.think_time_s) + CANCEL_GRACE_S
+    if qps > 0:
+        offsets = arrival_offsets(qps, cfg.arrival, f"{cfg.seed}:{input_len}:{qps:g}",
+                                  cfg.count, cfg.duration_s)
+        t0 = point.t0 = time.perf_counter() + 0.05
+        tasks = []
+        for i, off in enumerate(offsets):
+            prompt = first_prompt(i)  # built before its send time: not in the TTFT
+            delay = t0 + off - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(conversation(i, t0 + off, prompt)))
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=per_conv_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    else:
+        t0 = point.t0 = time.perf_counter()
+        i = 0
+        while (cfg.count is None or i < cfg.count) and (
+                cfg.duration_s is None or time.perf_counter() - t0 < cfg.duration_s):
+            prompt = first_prompt(i)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(conversation(i, time.perf_counter(), prompt), per_conv_s)
+            i += 1
+    for r in results:
+        if r.end is None and r.error is None:
+            r.timed_out, r.error = True, "cancelled at the end of the point"
+    return point
+
+
+def point_lines(cfg: BenchConfig, p: PointRun) -> list[dict[str, Any]]:
+    """Schema lines for one point: one, or one per turn in multi-turn mode."""
+    # Sustainability is judged per job: a request, or a whole conversation.
+    convs: dict[int, list[Result]] = {}
+    for r in p.results:
+        convs.setdefault(r.index, []).append(r)
+    arrivals, ends, failed = [], [], 0
+    for i in sorted(convs):
+        rs = convs[i]
+        arrivals.append(rs[0].sent - p.t0)
+        last = rs[-1]
+        timed_out = any(r.timed_out for r in rs)
+        ends.append(None if timed_out or last.end is None else last.end - p.t0)
+        failed += any(r.error and not r.timed_out for r in rs)
+    sustain = assess_sustainable(arrivals, ends, p.qps, failed)
+    date = cfg.started
+    base: dict[str, Any] = {
+        "experiment": cfg.experiment, "impl": p.target.impl, "mode": p.target.mode,
+        "hardware": cfg.hardware, "model": cfg.model_name, "target": p.target.name,
+        "url": p.target.url, "input_len": p.input_len, "output_len": cfg.output_len,
+        "qps": p.qps, "arrival": cfg.arrival if p.qps > 0 else "serial",
+    }
+    if cfg.prefix_len:
+        base["prefix_len"] = min(cfg.prefix_len, p.input_len)
+    tail = {"seed": cfg.seed, "run_id": cfg.run_id, "command": cfg.command, "commit": cfg.commit,
+            "commit_dirty": cfg.commit_dirty, "date": date.date().isoformat(),
+            "time": date.isoformat(timespec="seconds")}
+    if cfg.turns == 1:
+        return [{**base, **sustain, **latency_fields(p.results), **tail}]
+    lines = []
+    for turn in range(1, cfg.turns + 1):
+        rs = [r for r in p.results if r.turn == turn]
+        if not rs:
+            continue
+        line = {**base, "input_len": int(statistics.median(r.prompt_len for r in rs)),
+                "first_input_len": p.input_len, "turn": turn, "turns": cfg.turns,
+                "turn_growth": cfg.turn_growth, "conversations": len(convs),
+                "history_exact": p.history_exact, **sustain, **latency_fields(rs), **tail}
+        lines.append(line)
+    return lines
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def summary(line: dict[str, Any]) -> str:
+    turn = f" turn={line['turn']}" if "turn" in line else ""
+    s = (f"{line['target']:>18} in={line['input_len']}{turn} qps={line['qps']:g}: "
+         f"n={line['n']} err={line['errors']} ttft p50/p90={_fmt(line.get('ttft_ms_p50'))}/"
+         f"{_fmt(line.get('ttft_ms_p90'))} ms tpot p50={_fmt(line.get('tpot_ms_p50'))} ms "
+         f"handoff p50={_fmt(line.get('handoff_ms_p50'))} ms")
+    if not line["sustainable"]:
+        s += f"  UNSUSTAINABLE ({line.get('unsustainable_reason', '')})"
+    return s
+
+
+async def run_bench(cfg: BenchConfig, echo: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Run every point, append lines as they are measured; returns all lines."""
+    from tqdm import tqdm
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+    total = 0
+    for q in cfg.qps_list:
+        n = cfg.planned(q)
+        total = None if n is None or total is None else total + n * cfg.turns * len(cfg.targets) * len(
+            cfg.input_lens)
+    lines: list[dict[str, Any]] = []
+    cfg.out_path.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.raw_path:
+        cfg.raw_path.parent.mkdir(parents=True, exist_ok=True)
+    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
+        bad = [m for m in await asyncio.gather(*(check_health(client, t) for t in cfg.targets)) if m]
+        if bad:
+            raise RuntimeError("target(s) not healthy: " + "; ".join(bad))
+        models = {t.name: await resolve_model(client, t, cfg.served_model) for t in cfg.targets}
+        with tqdm(total=total, unit="req", file=sys.stderr, disable=not cfg.progress,
+                  dynamic_ncols=True) as bar:
+            say = echo or bar.write
+            errors = 0
+
+            def tick(r: Result) -> None:
+                nonlocal errors
+                errors += not r.ok
+                bar.update(1)
+                bar.set_postfix(errors=errors, refresh=False)
+
+            for t in cfg.targets:
+                for w in range(cfg.warmup):
+                    res = Result(target=t.name, index=-1, prompt_len=min(cfg.input_lens))
+                    body = request_body(make_prompt(f"warmup:{cfg.run_id}:{t.name}:{w}",
+                                                    min(cfg.input_lens), cfg.vocab),
+                                        min(cfg.output_len, 4), models[t.name])
+                    await send_request(client, t, body, res, cfg.request_timeout_s)
+                    if not res.ok:
+                        say(f"warmup of {t.name} failed: {res.error}")
+            for input_len in cfg.input_lens:
+                for qps in cfg.qps_list:
+                    for t in cfg.targets:
+                        bar.set_description(f"{t.name} in={input_len} qps={qps:g}")
+                        point = await run_point(client, cfg, t, models[t.name], input_len, qps, tick)
+                        new = point_lines(cfg, point)
+                        with cfg.out_path.open("a") as f:
+                            for line in new:
+                                f.write(json.dumps(line) + "\n")
+                        if cfg.raw_path:
+                            with cfg.raw_path.open("a") as f:
+                                for r in point.results:
+                                    rec = {"run_id": cfg.run_id, "input_len": input_len, "qps": qps,
+                                           **r.record(point.t0)}
+                                    f.write(json.dumps(rec) + "\n")
+                        for line in new:
+                            say(summary(line))
+                        lines += new
+    if cfg.plot_path:
+        from .bench_plot import plot_lines
+
+        plot_lines(lines, cfg.plot_path)
+    return lines
+
+
+# --- CLI ---------------------------------------------------------------------------------
+
+def bench(
+    target: Annotated[list[str] | None, typer.Option(
+        help="URL or NAME=URL,impl=..,mode=..,model=..,x-header=value (all but URL optional); "
+        "repeat for side by side.")] = None,
+    input_len: Annotated[list[str] | None, typer.Option(
+        help="Prompt length(s) in tokens, comma list (multi-turn: first turn).")] = None,
+    output_len: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 128,
+    qps: Annotated[list[str] | None, typer.Option(
+        help="Offered rate(s), comma list; 0 = one request (conversation) at a time.")] = None,
+    arrival: Annotated[str, typer.Option(help="poisson | fixed.")] = "poisson",
+    seed: int = 0,
+    num_requests: Annotated[int | None, typer.Option(
+        min=1, help=f"Requests (conversations) per point (default {DEFAULT_NUM_REQUESTS} "
+        "unless --duration).")] = None,
+    duration: Annotated[float | None, typer.Option(
+        min=0.001, help="Seconds of arrivals per point (with --num-requests: both bound).")] = None,
+    vocab: Annotated[int, typer.Option(
+        help="Token ids are drawn from [10, vocab); set the model's vocab_size.")] = 1000,
+    prefix_len: Annotated[int, typer.Option(min=0, help="Shared prompt prefix (tokens).")] = 0,
+    turns: Annotated[int, typer.Option(min=1, help="Turns per conversation (multi-turn).")] = 1,
+    turn_growth: Annotated[int, typer.Option(min=0, help="New tokens added each turn.")] = 256,
+    think_time: Annotated[float, typer.Option(min=0, help="Seconds between turns.")] = 0.0,
+    request_timeout: Annotated[float, typer.Option(min=0.001, help="Per-request limit (s).")] = 300.0,
+    same_prompts: Annotated[bool, typer.Option(
+        "--same-prompts", help="Identical prompts for every target (default: per target).")] = False,
+    warmup: Annotated[int, typer.Option(min=0, help="Unrecorded requests per target first.")] = 1,
+    served_model: Annotated[str | None, typer.Option(
+        help="`model` in the body (default: first of the target's /v1/models).")] = None,
+    impl: Annotated[str, typer.Option(help="Default impl for targets without impl=.")] = "kvferry",
+    mode: Annotated[str, typer.Option(help="Default mode for targets without mode=.")] = "pull",
+    experiment: Annotated[str | None, typer.Option(
+        help="Experiment name (default push_vs_pull; bidirectional with --turns > 1).")] = None,
+    hardware: Annotated[str, typer.Option(help="Hardware tag, e.g. h200x2, cpu, trn2.")] = "cpu",
+    model_name: Annotated[str, typer.Option(help="Model tag for the results, e.g. qwen3-32b.")] = "tiny",
+    results_dir: Annotated[Path, typer.Option(help="Where the JSONL goes.")] = Path("benchmarks/results"),
+    raw: Annotated[Path | None, typer.Option(help="Also append per-request records here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a TTFT-vs-QPS PNG here.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan only.")] = False,
+) -> None:
+    """Open-loop TTFT/TPOT/handoff benchmark of running stacks (router or engine URLs)."""
+    try:
+        targets = [parse_target(s, impl, mode) for s in (target or ["http://127.0.0.1:8000"])]
+        lens = split_list(input_len or ["1024"], int)
+        rates = split_list(qps or ["1"], float)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if arrival not in ("poisson", "fixed"):
+        raise typer.BadParameter(f"{arrival!r} not in poisson, fixed", param_hint="--arrival")
+    if len({t.name for t in targets}) != len(targets):
+        raise typer.BadParameter("target names must be unique", param_hint="--target")
+    if any(n < 1 for n in lens) or any(q < 0 for q in rates):
+        raise typer.BadParameter("input lengths must be >= 1 and rates >= 0")
+    commit, dirty = git_commit()
+    cfg = BenchConfig(
+        targets=targets, input_lens=lens, qps_list=rates, output_len=output_len, arrival=arrival,
+        seed=seed, num_requests=num_requests, duration_s=duration, vocab=vocab,
+        prefix_len=prefix_len, turns=turns, turn_growth=turn_growth, think_time_s=think_time,
+        request_timeout_s=request_timeout, same_prompts=same_prompts, warmup=warmup,
+        served_model=served_model,
+        experiment=experiment or ("bidirectional" if turns > 1 else "push_vs_pull"),
+        hardware=hardware, model_name=model_name, results_dir=results_dir, raw_path=raw,
+        plot_path=plot, progress=progress, command=shlex.join(sys.argv), commit=commit,
+        commit_dirty=dirty,
+    )
+    if dry_run:
+        for t in targets:
+            typer.echo(f"target {t.name}: {t.url} impl={t.impl} mode={t.mode}"
+                       + (f" headers={dict(t.headers)}" if t.headers else ""))
+        for q in rates:
+            n = cfg.planned(q)
+            typer.echo(f"qps {q:g}: {'?' if n is None else n} conversation(s) x {turns} turn(s) "
+                       f"per (target, input_len in {lens})")
+        typer.echo(f"results -> {cfg.out_path}")
+        return
+    try:
+        lines = asyncio.run(run_bench(cfg))
+    except RuntimeError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"{len(lines)} line(s) appended to {cfg.out_path}")
+    if plot:
+        typer.echo(f"plot: {plot}")
+    if any(line["n"] == 0 for line in lines):
+        typer.echo("some points had no successful request (see errors / error_samples)", err=True)
+        raise typer.Exit(1)

@@ -1,0 +1,427 @@
+"""Building blocks of `kvferry bench`: arrivals, prompts, one streamed request, statistics.
+
+Everything here is independent of the CLI so tests can drive it directly. Times are
+`time.perf_counter()` seconds; reported latencies are milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+MIN_TOKEN_ID = 10
+"""Prompt token ids are drawn from [MIN_TOKEN_ID, vocab): low ids are often special tokens."""
+
+HDR_PREFILL_MS = "x-kvferry-prefill-ms"
+"""Router response header: duration of the P leg in ms (absent: handoff is not reported)."""
+BODY_PREFILL_MS = "kvferry_prefill_ms"
+"""Same value as a top-level field of any SSE chunk (for push mode, where the response
+headers leave before P has finished); a header wins over the in-stream field."""
+
+SUSTAIN_MIN_RATIO = 0.8
+"""Completion rate / offered rate below this: the stack falls behind (unsustainable)."""
+SUSTAIN_MAX_ERROR_FRACTION = 0.1
+"""More failed (non-timeout) requests than this fraction: unsustainable."""
+
+
+# --- targets -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    """One stack under test: `name=url[,impl=...,mode=...,model=...,x-header=value...]`."""
+
+    name: str
+    url: str
+    impl: str = "kvferry"
+    mode: str = "pull"
+    model: str | None = None  # served model name sent in the body (None: ask /v1/models)
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def salt(self) -> str:
+        return self.name
+
+
+def parse_target(spec: str, default_impl: str, default_mode: str) -> Target:
+    """`http://h:p`, `name=http://h:p` or `name=http://h:p,impl=x,mode=y,model=m,x-kvferry-mode=push`.
+
+    Keys starting with `x-` become request headers (e.g. `x-kvferry-mode=push` makes the
+    router use push for this target only).
+    """
+    first, *rest = [p.strip() for p in spec.split(",") if p.strip()] or [""]
+    if "=" in first and not first.startswith(("http://", "https://")):
+        name, url = first.split("=", 1)
+    else:
+        name, url = "", first
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"target {spec!r}: expected [name=]http(s)://host:port[,key=value...]")
+    url = url.rstrip("/")
+    opts: dict[str, str] = {}
+    headers: list[tuple[str, str]] = []
+    for kv in rest:
+        if "=" not in kv:
+            raise ValueError(f"target {spec!r}: {kv!r} is not key=value")
+        k, v = (s.strip() for s in kv.split("=", 1))
+        if k.lower().startswith("x-"):
+            headers.append((k.lower(), v))
+        elif k in ("impl", "mode", "model"):
+            opts[k] = v
+        else:
+            raise ValueError(f"target {spec!r}: unknown key {k!r} (impl, mode, model, x-<header>)")
+    mode = opts.get("mode", default_mode)
+    return Target(name=name or f"{opts.get('impl', default_impl)}-{mode}", url=url,
+                  impl=opts.get("impl", default_impl), mode=mode, model=opts.get("model"),
+                  headers=tuple(headers))
+
+
+def split_list(values: Sequence[str], cast: type) -> list[Any]:
+    """["1,2", "4"] -> [1, 2, 4] (comma lists, repeatable options)."""
+    out = []
+    for v in values:
+        out += [cast(x.strip()) for x in str(v).split(",") if x.strip()]
+    return out
+
+
+# --- arrivals and prompts ----------------------------------------------------------------
+
+def arrival_offsets(qps: float, process: str, seed: str, count: int | None,
+                    duration_s: float | None) -> list[float]:
+    """Send times (s from the start of the point) of an open-loop arrival process.
+
+    `fixed`: i / qps. `poisson`: first at 0, then exponential gaps of mean 1/qps (seeded).
+    Bounded by `count` arrivals and/or arrivals before `duration_s` (at least one bound).
+    """
+    if qps <= 0:
+        raise ValueError("open-loop arrivals need qps > 0 (qps 0 runs one at a time)")
+    if count is None and duration_s is None:
+        raise ValueError("bound the run with a count or a duration")
+    if process not in ("poisson", "fixed"):
+        raise ValueError(f"unknown arrival process {process!r}")
+    rng = random.Random(f"arrivals:{seed}")
+    out: list[float] = []
+    t = 0.0
+    while count is None or len(out) < count:
+        if duration_s is not None and t >= duration_s:
+            break
+        out.append(t)
+        t = len(out) / qps if process == "fixed" else t + rng.expovariate(qps)
+    return out
+
+
+def random_tokens(seed: str, n: int, vocab: int) -> list[int]:
+    """`n` token ids in [MIN_TOKEN_ID, vocab), deterministic for a seed string."""
+    if vocab <= MIN_TOKEN_ID:
+        raise ValueError(f"vocab must be > {MIN_TOKEN_ID}")
+    return random.Random(seed).choices(range(MIN_TOKEN_ID, vocab), k=max(0, n))
+
+
+def make_prompt(seed: str, length: int, vocab: int, prefix: list[int] | None = None) -> list[int]:
+    """A random prompt of exactly `length` ids that starts with `prefix` (if any)."""
+    prefix = (prefix or [])[:length]
+    return prefix + random_tokens(seed, length - len(prefix), vocab)
+
+
+def request_body(prompt: list[int], output_len: int, model: str | None,
+                 conversation_id: str | None = None, token_ids: bool = False) -> dict[str, Any]:
+    """The /v1/completions body: greedy, streamed, exactly `output_len` tokens."""
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        # Per-chunk token counts (vLLM): detects token chunks even when their text is empty.
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if model:
+        body["model"] = model
+    if conversation_id is not None:
+        body["conversation_id"] = conversation_id
+    if token_ids:
+        body["return_token_ids"] = True  # multi-turn: the next prompt appends the real output
+    return body
+
+
+# --- one request -------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    """What one request measured."""
+
+    target: str
+    index: int
+    prompt_len: int
+    turn: int | None = None
+    conversation: int | None = None
+    scheduled: float = 0.0  # planned send time (perf_counter)
+    sent: float = 0.0
+    first: float | None = None  # first chunk carrying a token
+    last: float | None = None  # last chunk carrying a token
+    end: float | None = None  # stream finished ([DONE] or close)
+    n_tokens: int = 0
+    output_ids: list[int] | None = None
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    prefill_ms: float | None = None
+    cached_tokens: int | None = None
+    error: str | None = None
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first is None else (self.first - self.sent) * 1e3
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.first is None or self.last is None or self.n_tokens < 2:
+            return None
+        return (self.last - self.first) * 1e3 / (self.n_tokens - 1)
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return None if self.end is None else (self.end - self.sent) * 1e3
+
+    @property
+    def handoff_ms(self) -> float | None:
+        ttft = self.ttft_ms
+        return None if ttft is None or self.prefill_ms is None else ttft - self.prefill_ms
+
+    @property
+    def send_lag_ms(self) -> float:
+        return max(0.0, (self.sent - self.scheduled) * 1e3)
+
+    def record(self, t0: float) -> dict[str, Any]:
+        """Per-request JSON (for --raw)."""
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round((t - t0) * 1e3, 3)
+        return {
+            "target": self.target, "index": self.index, "turn": self.turn,
+            "conversation": self.conversation, "prompt_len": self.prompt_len,
+            "sent_ms": rel(self.sent), "first_ms": rel(self.first), "last_ms": rel(self.last),
+            "end_ms": rel(self.end), "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms,
+            "handoff_ms": self.handoff_ms, "prefill_ms": self.prefill_ms,
+            "n_tokens": self.n_tokens, "cached_tokens": self.cached_tokens,
+            "status": self.status, "headers": self.headers, "error": self.error,
+        }
+
+
+class StreamState:
+    """Incremental parser of one /v1/completions SSE stream."""
+
+    def __init__(self, res: Result) -> None:
+        self.res = res
+        self.chunks = 0  # chunks that carried a token
+        self.ids: list[int] = []
+        self.saw_ids = False
+        self.usage_tokens: int | None = None
+        self.done = False
+
+    def feed(self, line: str, now: float) -> None:
+        line = line.strip()
+        if not line.startswith("data:"):
+            return
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(obj, dict):
+            return
+        if "error" in obj:
+            err = obj["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            self.res.error = f"stream error: {str(msg)[:200]}"
+            return
+        if isinstance(obj.get(BODY_PREFILL_MS), int | float) and self.res.prefill_ms is None:
+            self.res.prefill_ms = float(obj[BODY_PREFILL_MS])
+        carried = False
+        for ch in obj.get("choices") or []:
+            text = ch.get("text")
+            if text is None and isinstance(ch.get("delta"), dict):
+                text = ch["delta"].get("content")
+            tids = ch.get("token_ids")
+            if isinstance(tids, list):
+                self.saw_ids = True
+                self.ids += [int(t) for t in tids]
+            if text or tids:
+                carried = True
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            ct = usage.get("completion_tokens")
+            if isinstance(ct, int):
+                if ct > (self.usage_tokens or 0):
+                    carried = True
+                self.usage_tokens = ct
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.res.cached_tokens = details["cached_tokens"]
+        if carried:
+            self.chunks += 1
+            if self.res.first is None:
+                self.res.first = now
+            self.res.last = now
+
+    def finish(self, now: float) -> None:
+        r = self.res
+        r.end = now
+        if self.usage_tokens is not None:
+            r.n_tokens = self.usage_tokens
+        elif self.saw_ids:
+            r.n_tokens = len(self.ids)
+        else:
+            r.n_tokens = self.chunks
+        r.output_ids = self.ids if self.saw_ids else None
+        if r.error is None and r.first is None:
+            r.error = "no tokens in the stream"
+
+
+async def send_request(client: httpx.AsyncClient, target: Target, body: dict[str, Any],
+                       res: Result, timeout_s: float) -> Result:
+    """POST one streamed completion and fill `res`; never raises, never outlives timeout_s."""
+    content = json.dumps(body, separators=(",", ":")).encode()
+    headers = {"content-type": "application/json", **dict(target.headers)}
+    state = StreamState(res)
+    res.sent = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", target.url + "/v1/completions", content=content,
+                                     headers=headers) as resp:
+                res.status = resp.status_code
+                res.headers = {k.lower(): v for k, v in resp.headers.items()
+                               if k.lower().startswith("x-kvferry")}
+                hdr = res.headers.get(HDR_PREFILL_MS)
+                if hdr is not None:
+                    with contextlib.suppress(ValueError):
+                        res.prefill_ms = float(hdr)
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    res.error = f"HTTP {resp.status_code}: {text[:200]}"
+                    res.end = time.perf_counter()
+                    return res
+                async for line in resp.aiter_lines():
+                    state.feed(line, time.perf_counter())
+                    if state.done:
+                        break
+        state.finish(time.perf_counter())
+    except TimeoutError:
+        res.timed_out = True
+        res.error = f"timeout after {timeout_s:g}s"
+    except (httpx.HTTPError, OSError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+        res.end = time.perf_counter()
+    return res
+
+
+# --- statistics --------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default); None for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def latency_fields(results: Sequence[Result]) -> dict[str, Any]:
+    """Schema latency fields over the successful requests (absent ones are omitted)."""
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    tpot = [r.tpot_ms for r in ok if r.tpot_ms is not None]
+    hand = [r.handoff_ms for r in ok if r.handoff_ms is not None]
+    pre = [r.prefill_ms for r in ok if r.prefill_ms is not None]
+    e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    out: dict[str, Any] = {
+        "n": len(ok),
+        "errors": len(results) - len(ok),
+        "timeouts": sum(r.timed_out for r in results),
+        "ttft_ms_p50": _r(percentile(ttft, 50)), "ttft_ms_p90": _r(percentile(ttft, 90)),
+        "ttft_ms_p99": _r(percentile(ttft, 99)),
+        "ttft_ms_mean": _r(sum(ttft) / len(ttft)) if ttft else None,
+        "tpot_ms_p50": _r(percentile(tpot, 50)), "tpot_ms_p90": _r(percentile(tpot, 90)),
+        "e2e_ms_p50": _r(percentile(e2e, 50)),
+        "handoff_ms_p50": _r(percentile(hand, 50)), "handoff_ms_p90": _r(percentile(hand, 90)),
+        "prefill_ms_p50": _r(percentile(pre, 50)),
+        "output_tokens_mean": _r(sum(r.n_tokens for r in ok) / len(ok), 2) if ok else None,
+        "cached_tokens_mean": _r(sum(cached) / len(cached), 1) if cached else None,
+        "send_lag_ms_max": _r(max((r.send_lag_ms for r in results), default=0.0)),
+    }
+    errs = sorted({r.error for r in results if r.error})
+    if errs:
+        out["error_samples"] = [e[:160] for e in errs[:3]]
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def assess_sustainable(arrivals: Sequence[float], ends: Sequence[float | None], qps: float,
+                       failed: int = 0) -> dict[str, Any]:
+    """Did the stack keep up with the offered open-loop rate?
+
+    `arrivals`/`ends`: send and completion times of each job (a request, or a whole
+    conversation in multi-turn mode); an end of None means it never finished (timeout or
+    cut off at the end of the point). Unsustainable when any job did not finish, or the
+    completion rate ((n-1) / span of completions) is below SUSTAIN_MIN_RATIO x the
+    achieved arrival rate, or the backlog (sent, not finished) grows over the second half
+    of the arrivals by at least max(3, a quarter of those arrivals) (least-squares slope),
+    or more than SUSTAIN_MAX_ERROR_FRACTION of the jobs failed. qps 0 (one at a time) is
+    sustainable by construction.
+    """
+    n = len(arrivals)
+    out: dict[str, Any] = {"sustainable": True}
+    if qps <= 0 or n == 0:
+        return out
+    unfinished = sum(e is None for e in ends)
+    if n >= 2 and arrivals[-1] > arrivals[0]:
+        out["offered_qps_actual"] = round((n - 1) / (arrivals[-1] - arrivals[0]), 4)
+    done = sorted(e for e in ends if e is not None)
+    if len(done) >= 2 and done[-1] > done[0]:
+        out["achieved_qps"] = round((len(done) - 1) / (done[-1] - done[0]), 4)
+    growth = 0.0
+    half = list(range(n // 2, n))
+    if len(half) >= 3:
+        ts = [arrivals[i] for i in half]
+        backlog = [sum(a <= arrivals[i] for a in arrivals)
+                   - sum(e is not None and e <= arrivals[i] for e in ends) for i in half]
+        mt, mb = sum(ts) / len(ts), sum(backlog) / len(backlog)
+        var = sum((t - mt) ** 2 for t in ts)
+        if var > 0:
+            slope = sum((t - mt) * (b - mb) for t, b in zip(ts, backlog, strict=True)) / var
+            growth = slope * (ts[-1] - ts[0])
+    out["backlog_growth"] = round(growth, 2)
+    reasons = []
+    if unfinished:
+        reasons.append(f"{unfinished} unfinished")
+    if failed > SUSTAIN_MAX_ERROR_FRACTION * n:
+        reasons.append(f"{failed} failed")
+    ratio = None
+    if "achieved_qps" in out and "offered_qps_actual" in out and n >= 4:
+        ratio = out["achieved_qps"] / out["offered_qps_actual"]
+        if ratio < SUSTAIN_MIN_RATIO:
+            reasons.append(f"completion rate {ratio:.2f}x offered")
+    if len(half) >= 3 and growth >= max(3.0, 0.25 * len(half)):
+        reasons.append(f"backlog +{growth:.1f}")
+    if reasons:
+        out["sustainable"] = False
+        out["unsustainable_reason"] = "; ".join(reasons)
+    return out

@@ -1,0 +1,185 @@
+"""Transfer micro-benchmark: kvferry's transport vs a torch peer copy, same run.
+
+Two processes, one GPU each (cuda:0 = P, the READ target; cuda:1 = D, the initiator),
+holding a vLLM-0.26-FlashAttention-shaped KV cache: per layer (num_blocks, kv_heads,
+block_size, 2*head_dim). D READs 4 / 64 / 1024 contiguous blocks of every layer through
+`Transport` (runs merged into one descriptor per layer), also once unmerged (one
+descriptor per block and layer) to show what merging buys. The baseline is torch copying
+the same slices GPU0 -> GPU1 (peer copy over NVLink) in one process.
+
+    python -m kvferry.scripts.xferbench --out benchmarks/results/transfer-h200x2-DATE.jsonl
+
+Also runs on CPU (`--device cpu`, DRAM, small sizes) as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+LAYERS, HEADS, BLOCK, HEAD_DIM = 64, 8, 16, 128  # qwen3-32b-shaped K/V, 16-token blocks
+
+
+def _caches(torch: Any, device: str, num_blocks: int, layers: int, fill: bool) -> dict[str, Any]:
+    caches = {}
+    for i in range(layers):
+        t = torch.empty(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16, device=device)
+        if fill:
+            t.normal_()
+        else:
+            t.zero_()
+        caches[f"layer.{i}"] = t
+    return caches
+
+
+def _backend(device: str):
+    from kvferry.connectors.memory import CpuBackend, CudaBackend
+
+    return CpuBackend() if device == "cpu" else CudaBackend()
+
+
+def _target(conn, device: str, num_blocks: int, layers: int) -> None:
+    import torch
+
+    from kvferry.connectors.transport import Transport
+
+    if device != "cpu":
+        torch.cuda.set_device(0)
+        device = "cuda:0"
+    torch.manual_seed(0)
+    caches = _caches(torch, device, num_blocks, layers, fill=True)
+    layout = _backend(device).describe(caches, num_blocks, BLOCK)
+    tp = Transport(layout, name="xfer-target")
+    conn.send((tp.metadata(), layout.to_wire()))
+    ids = conn.recv()  # blocks whose checksum D wants
+    conn.send([float(c[ids].float().sum()) for c in caches.values()])
+    conn.recv()  # done
+    tp.close()
+
+
+def _time_reads(tp, peer, ids: list[int], iters: int, merge: bool) -> tuple[list[float], Any]:
+    times, xfer = [], None
+    for i in range(iters + 2):
+        t0 = time.perf_counter()
+        xfer = tp.start("READ", peer, ids, ids, merge=merge)
+        while tp.poll(xfer) == "PROC":
+            pass
+        if xfer.state != "DONE":
+            raise RuntimeError(f"READ ended {xfer.state}")
+        if i >= 2:  # two warm-ups
+            times.append(time.perf_counter() - t0)
+    return times, xfer
+
+
+def _peer_copy(torch: Any, num_blocks: int, layers: int, counts: list[int], iters: int) -> dict[int, float]:
+    src = _caches(torch, "cuda:0", num_blocks, layers, fill=True)
+    dst = _caches(torch, "cuda:1", num_blocks, layers, fill=False)
+    out = {}
+    for n in counts:
+        ts = []
+        for i in range(iters + 2):
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            t0 = time.perf_counter()
+            with torch.cuda.device(1):
+                for s, d in zip(src.values(), dst.values(), strict=True):
+                    d[:n].copy_(s[:n], non_blocking=True)
+            torch.cuda.synchronize(1)
+            if i >= 2:
+                ts.append(time.perf_counter() - t0)
+        out[n] = statistics.median(ts)
+    del src, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--blocks", default="4,64,1024")
+    ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--hardware", default="h200x2")
+    args = ap.parse_args(argv)
+    counts = [int(x) for x in args.blocks.split(",")]
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from kvferry.connectors.memory import KVLayout
+    from kvferry.connectors.transport import Transport
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(there, args.device, args.num_blocks, args.layers))
+    proc.start()
+    dev = "cpu" if args.device == "cpu" else "cuda:1"
+    if dev != "cpu":
+        torch.cuda.set_device(1)
+    caches = _caches(torch, dev, args.num_blocks, args.layers, fill=False)
+    layout = _backend(dev).describe(caches, args.num_blocks, BLOCK)
+    tp = Transport(layout, name="xfer-initiator")
+    meta, wire = here.recv()
+    peer = tp.add_peer("target", meta, KVLayout.from_wire(wire))
+
+    results: list[dict[str, Any]] = []
+    commit = os.environ.get("KVFERRY_COMMIT", "")
+    command = " ".join([sys.executable.split("/")[-1], "-m", "kvferry.scripts.xferbench", *(argv or sys.argv[1:])])
+    base = {"experiment": "transfer", "hardware": args.hardware, "model": "qwen3-32b-kv",
+            "layers": args.layers, "block_tokens": BLOCK, "command": command, "commit": commit,
+            "date": datetime.date.today().isoformat()}
+    ok = True
+    for n in counts:
+        ids = list(range(n))
+        for merge in (True, False):
+            if not merge and n > 64:
+                continue  # unmerged 1024-block reads: 131k descriptors, minutes; 64 shows the point
+            times, xfer = _time_reads(tp, peer, ids, args.iters if merge else 3, merge)
+            med = statistics.median(times)
+            row = {**base, "impl": "kvferry", "mode": "pull" if merge else "pull_unmerged",
+                   "blocks": n, "bytes": xfer.nbytes, "descriptors": xfer.ndesc,
+                   "ms_p50": round(med * 1e3, 3), "gbps": round(xfer.nbytes / med / 1e9, 1)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        here.send(ids)
+        want = here.recv()
+        got = [float(c[ids].float().sum()) for c in caches.values()]
+        same = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(want, got, strict=True))
+        ok &= same
+        results[-1]["data_ok"] = same
+    here.send("done")
+    proc.join(timeout=60)
+    tp.close()
+    del caches
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
+        peer_times = _peer_copy(torch, args.num_blocks, args.layers, counts, args.iters)
+        for n, med in peer_times.items():
+            nbytes = n * args.layers * HEADS * BLOCK * 2 * HEAD_DIM * 2
+            row = {**base, "impl": "torch", "mode": "peer_copy", "blocks": n, "bytes": nbytes,
+                   "ms_p50": round(med * 1e3, 3), "gbps": round(nbytes / med / 1e9, 1)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        for n in counts:
+            k = next(r for r in results if r["mode"] == "pull" and r["blocks"] == n)
+            t = next(r for r in results if r["mode"] == "peer_copy" and r["blocks"] == n)
+            print(f"{n:5d} blocks: kvferry {k['gbps']:7.1f} GB/s  torch peer copy {t['gbps']:7.1f} GB/s"
+                  f"  ratio {k['gbps'] / t['gbps']:.2f}")
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    print("DATA OK" if ok else "DATA MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Block ids -> transfer descriptors (connectors/layout.py): run merging and address math."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvferry.connectors.layout import LayoutMismatch, check_compatible, descriptors, runs
+from kvferry.connectors.memory import DRAM, CpuBackend, KVLayout, Plane, Region
+
+
+def dense_layout(n: int, bb: int = 64, planes: int = 2, base: int = 10_000, dev: int = 0,
+                 block_size: int = 16) -> KVLayout:
+    """(2, n, ...) style: each plane is n consecutive blocks of ``bb`` bytes."""
+    reg = Region(base, planes * n * bb, dev, DRAM)
+    return KVLayout((reg,), tuple(Plane(0, base + i * n * bb, bb, bb, n) for i in range(planes)),
+                    n, block_size)
+
+
+def interleaved_layout(n: int, bb: int = 64, base: int = 50_000) -> KVLayout:
+    """(n, 2, ...) style seen as two planes with stride 2*bb (K and V halves of one block)."""
+    reg = Region(base, 2 * n * bb, 0, DRAM)
+    return KVLayout((reg,), (Plane(0, base, 2 * bb, bb, n), Plane(0, base + bb, 2 * bb, bb, n)), n, 16)
+
+
+# -- runs --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loc,rem,want", [
+    ([], [], []),
+    ([5], [9], [(5, 9, 1)]),
+    ([1, 2, 3], [7, 8, 9], [(1, 7, 3)]),
+    ([1, 2, 3, 7, 8], [4, 5, 6, 0, 1], [(1, 4, 3), (7, 0, 2)]),
+    ([1, 2, 3], [7, 8, 10], [(1, 7, 2), (3, 10, 1)]),      # remote breaks the run
+    ([1, 2, 4], [7, 8, 9], [(1, 7, 2), (4, 9, 1)]),        # local breaks the run
+    ([3, 2, 1], [3, 2, 1], [(3, 3, 1), (2, 2, 1), (1, 1, 1)]),  # descending never merges
+    ([1, 1, 2], [5, 6, 7], [(1, 5, 1), (1, 6, 2)]),         # duplicate local id
+    ([1, 2, 2], [5, 6, 6], [(1, 5, 2), (2, 6, 1)]),         # duplicate pair
+    ([4, 5, 0, 1], [0, 1, 2, 3], [(4, 0, 2), (0, 2, 2)]),  # non-monotonic local
+])
+def test_runs(loc, rem, want):
+    assert runs(loc, rem) == want
+
+
+def test_runs_length_mismatch_raises():
+    with pytest.raises(ValueError, match="2 local blocks vs 3 remote"):
+        runs([1, 2], [1, 2, 3])
+
+
+pairs = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=40)
+
+
+@given(pairs)
+def test_runs_expand_back_to_the_input_pairs(ps):
+    loc, rem = [a for a, _ in ps], [b for _, b in ps]
+    rs = runs(loc, rem)
+    expanded = [(ls + i, r0 + i) for ls, r0, n in rs for i in range(n)]
+    assert expanded == list(ps)
+    assert all(n >= 1 for *_, n in rs)
+    # maximal: two adjacent runs could never have been one
+    for (l1, r1, n1), (l2, r2, _) in zip(rs, rs[1:], strict=False):
+        assert not (l2 == l1 + n1 and r2 == r1 + n1)
+
+
+# -- descriptors: dense ------------------------------------------------------------------------
+def test_dense_contiguous_blocks_merge_into_one_descriptor_per_plane():
+    loc, rem = dense_layout(8, base=0), dense_layout(8, base=100_000, dev=3)
+    ld, rd = descriptors(loc, rem, [2, 3, 4], [5, 6, 7])
+    assert ld.dtype == np.uint64 and ld.shape == rd.shape == (2, 3)
+    assert ld.tolist() == [[2 * 64, 3 * 64, 0], [8 * 64 + 2 * 64, 3 * 64, 0]]
+    assert rd.tolist() == [[100_000 + 5 * 64, 192, 3], [100_000 + 8 * 64 + 5 * 64, 192, 3]]
+
+
+def test_dense_two_runs_two_planes_four_descriptors_plane_major():
+    loc, rem = dense_layout(10, base=0), dense_layout(10, base=0)
+    ld, rd = descriptors(loc, rem, [0, 1, 7], [3, 4, 9])
+    assert ld[:, 0].tolist() == [0, 7 * 64, 640, 640 + 7 * 64]
+    assert ld[:, 1].tolist() == [128, 64, 128, 64]
+    assert rd[:, 0].tolist() == [3 * 64, 9 * 64, 640 + 3 * 64, 640 + 9 * 64]
+    assert (ld[:, 1] == rd[:, 1]).all()
+
+
+def test_merge_false_keeps_one_descriptor_per_block_with_same_bytes():
+    loc, rem = dense_layout(10), dense_layout(10, base=0)
+    merged = descriptors(loc, rem, [0, 1, 2, 3], [4, 5, 6, 7])
+    flat = descriptors(loc, rem, [0, 1, 2, 3], [4, 5, 6, 7], merge=False)
+    assert len(merged[0]) == 2 and len(flat[0]) == 8
+    assert int(merged[0][:, 1].sum()) == int(flat[0][:, 1].sum()) == 8 * 64
+
+
+def test_empty_block_lists_give_empty_nx3_arrays():
+    ld, rd = descriptors(dense_layout(4), dense_layout(4), [], [])
+    assert ld.shape == rd.shape == (0, 3)
+
+
+# -- descriptors: non-dense --------------------------------------------------------------------
+def test_non_dense_planes_never_merge_and_address_each_block():
+    loc, rem = interleaved_layout(6, base=0), interleaved_layout(6, base=1000)
+    ld, rd = descriptors(loc, rem, [1, 2], [3, 4])
+    assert ld.tolist() == [[128, 64, 0], [256, 64, 0], [128 + 64, 64, 0], [256 + 64, 64, 0]]
+    assert rd.tolist() == [[1000 + 384, 64, 0], [1000 + 512, 64, 0],
+                           [1000 + 448, 64, 0], [1000 + 576, 64, 0]]
+
+
+def test_one_side_non_dense_disables_merging_for_that_plane():
+    loc = dense_layout(6, base=0)
+    rem = interleaved_layout(6, base=0)
+    ld, rd = descriptors(loc, rem, [0, 1, 2], [0, 1, 2])
+    assert len(ld) == len(rd) == 6
+    assert rd[:3, 0].tolist() == [0, 128, 256]
+
+
+@given(st.lists(st.tuples(st.integers(0, 15), st.integers(0, 15)), max_size=20),
+       st.sampled_from(["dense", "interleaved"]))
+def test_descriptors_cover_exactly_the_requested_block_bytes(ps, kind):
+    mk = dense_layout if kind == "dense" else interleaved_layout
+    loc, rem = mk(16, base=0), mk(16, base=1 << 20)
+    li, ri = [a for a, _ in ps], [b for _, b in ps]
+    ld, rd = descriptors(loc, rem, li, ri)
+    assert len(ld) <= 2 * len(ps)
+
+    def spans(d):
+        return [(int(a) + k, None) for a, n, _ in d.tolist() for k in range(0, int(n), 64)]
+
+    want_l = [(p.block_addr(b), None) for p in loc.planes for b in li]
+    want_r = [(p.block_addr(b), None) for p in rem.planes for b in ri]
+    assert spans(ld) == want_l and spans(rd) == want_r
+
+
+# -- descriptors against real tensors ----------------------------------------------------------
+def test_descriptors_copy_the_right_bytes_between_cpu_tensors():
+    n = 8
+    src = {f"l{i}": torch.randn(2, n, 4, 8) for i in range(2)}
+    dst = {f"l{i}": torch.zeros(2, n, 4, 8) for i in range(2)}
+    src_lay, dst_lay = CpuBackend().describe(src, n, 4), CpuBackend().describe(dst, n, 4)
+    local_ids, remote_ids = [0, 1, 2, 6], [5, 6, 7, 1]
+    ld, rd = descriptors(dst_lay, src_lay, local_ids, remote_ids)
+    import ctypes
+    for (la, ln, _), (ra, rn, _) in zip(ld.tolist(), rd.tolist(), strict=True):
+        assert ln == rn
+        ctypes.memmove(int(la), int(ra), int(ln))
+    for name in src:
+        assert torch.equal(dst[name][:, local_ids], src[name][:, remote_ids])
+        untouched = [b for b in range(n) if b not in local_ids]
+        assert not dst[name][:, untouched].any()
+
+
+# -- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("li,ri,side", [([8], [0], "local"), ([0], [8], "remote"),
+                                        ([-1], [0], "local"), ([0], [-1], "remote")])
+def test_out_of_range_ids_raise_index_error(li, ri, side):
+    with pytest.raises(IndexError, match=side):
+        descriptors(dense_layout(8), dense_layout(8), li, ri)
+
+
+def test_different_remote_block_count_is_fine_ids_checked_per_side():
+    ld, rd = descriptors(dense_layout(4), dense_layout(100), [3], [99])
+    assert len(ld) == 2 and int(rd[0][0]) == 10_000 + 99 * 64
+
+
+@pytest.mark.parametrize("remote", [
+    dense_layout(8, block_size=32),
+    dense_layout(8, bb=128),
+    dense_layout(8, planes=3),
+    dense_layout(8, planes=1),
+])
+def test_mismatched_layouts_raise_layout_mismatch(remote):
+    with pytest.raises(LayoutMismatch):
+        check_compatible(dense_layout(8), remote)
+    with pytest.raises(LayoutMismatch):
+        descriptors(dense_layout(8), remote, [0], [0])
+
+
+def test_layout_mismatch_is_a_value_error():
+    assert issubclass(LayoutMismatch, ValueError)
+
+
+def test_compatible_layouts_may_differ_in_addresses_devices_and_block_count():
+    check_compatible(dense_layout(8, base=0, dev=0), dense_layout(64, base=1 << 40, dev=7))
+
+
+def test_peers_with_different_inner_order_are_incompatible():
+    n = 4
+    nhd = CpuBackend().describe({"l": torch.zeros(2, n, 16, 2, 8)}, n, 16)           # bs, heads, dim
+    hnd = CpuBackend().describe({"l": torch.zeros(2, n, 2, 16, 8).transpose(2, 3)}, n, 16)
+    with pytest.raises(LayoutMismatch):
+        check_compatible(nhd, hnd)

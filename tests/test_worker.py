@@ -1,0 +1,275 @@
+"""TransferWorker (connectors/worker.py): two in-process workers over real NIXL, DRAM tensors.
+
+P and D each have their own CpuBackend layout, NIXL agent and side-channel port; offers are
+real signed offers from PullScheduler, so this is the pull path minus vLLM.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvferry.connectors.config import ConnectorConfig
+from kvferry.connectors.handshake import HandshakeServer
+from kvferry.connectors.memory import CpuBackend
+from kvferry.connectors.params import SECRET_ENV
+from kvferry.connectors.scheduler import PullScheduler, RecvTask, StepMeta
+from kvferry.connectors.worker import DONE_PREFIX, TransferWorker, _Results
+
+pytestmark = pytest.mark.timeout(60)
+
+N, BS = 16, 4
+PROMPT = list(range(1, 23))  # 22 tokens -> 6 blocks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def caches(seed: int | None) -> dict[str, torch.Tensor]:
+    if seed is None:
+        return {"l0": torch.zeros(2, N, BS, 2, 8), "l1": torch.zeros(N, 2, BS, 8)}
+    g = torch.Generator().manual_seed(seed)
+    return {"l0": torch.randn(2, N, BS, 2, 8, generator=g), "l1": torch.randn(N, 2, BS, 8, generator=g)}
+
+
+def blocks_of(c: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    return [c["l0"][:, ids], c["l1"][ids]]
+
+
+class Engine:
+    def __init__(self, role: str, seed: int | None, **cfg):
+        self.engine_id = f"{role}-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.cfg = ConnectorConfig(side_channel_port=self.port, **cfg)
+        self.kv = caches(seed)
+        self.worker = TransferWorker(self.cfg, self.engine_id, 0,
+                                     CpuBackend().describe(self.kv, N, BS))
+        self.sched = PullScheduler(self.engine_id, "127.0.0.1", self.port, BS)
+        self.acc = _Results()
+
+    def collect(self, until: Callable[[_Results], bool], timeout: float) -> _Results:
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self.worker.results()
+            self.acc.sent |= r.sent
+            self.acc.recvd |= r.recvd
+            self.acc.bad_blocks |= r.bad_blocks
+            if until(self.acc) or time.monotonic() >= deadline:
+                return self.acc
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "worker-test-secret")
+    made: list[Engine] = []
+
+    def make(role: str, seed: int | None = None, **cfg) -> Engine:
+        cfg.setdefault("handshake_timeout_s", 1.0)
+        e = Engine(role, seed, **cfg)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.worker.close()
+
+
+def p_finish(p: Engine, req: str, blocks: list[int], prompt=PROMPT) -> dict:
+    keep, offer = p.sched.finished(req, True, blocks, {"do_remote_decode": True}, prompt)
+    assert keep
+    return offer
+
+
+def d_task(d: Engine, req: str, offer: dict, local: list[int], hit: int = 0, prompt=PROMPT) -> StepMeta:
+    count, is_async = d.sched.matched_tokens(req, prompt, offer, hit)
+    assert d.sched.rejection(req) is None
+    d.sched.after_alloc(req, local, count if is_async else 0)
+    return d.sched.take_meta()
+
+
+P_BLOCKS = [2, 3, 4, 9, 10, 15]
+D_BLOCKS = [0, 1, 2, 3, 7, 8]
+
+
+def test_pull_read_delivers_bytes_and_frees_p_blocks(engines):
+    p, d = engines("P", seed=1), engines("D")
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    p.worker.submit(p.sched.take_meta())
+    meta = d_task(d, "d-req", offer, D_BLOCKS)
+    (task,) = meta.recv
+    assert not task.release_only and task.remote_block_ids == P_BLOCKS
+    d.worker.submit(meta)
+    got = d.collect(lambda r: "d-req" in r.recvd, 15)
+    assert got.recvd == {"d-req"} and got.bad_blocks == set()
+    for mine, theirs in zip(blocks_of(d.kv, D_BLOCKS), blocks_of(p.kv, P_BLOCKS), strict=True):
+        assert torch.equal(mine, theirs)
+    others = [b for b in range(N) if b not in D_BLOCKS]
+    assert not any(t.any() for t in blocks_of(d.kv, others))
+    # P frees only after D's READ completed (its notification), well before the send timeout
+    assert p.collect(lambda r: "p-req" in r.sent, 10).sent == {"p-req"}
+    p.sched.worker_done(p.acc.sent)
+    assert p.sched.waiting_send == set()
+
+
+def test_second_read_reuses_the_handshake(engines):
+    p, d = engines("P", seed=2), engines("D")
+    for i, (pb, db) in enumerate([([0, 1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15]),
+                                  ([6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5])]):
+        offer = p_finish(p, f"p{i}", pb)
+        p.worker.submit(p.sched.take_meta())
+        d.worker.submit(d_task(d, f"d{i}", offer, db))
+        assert d.collect(lambda r, i=i: f"d{i}" in r.recvd, 15).bad_blocks == set()
+        assert all(torch.equal(a, b) for a, b in zip(blocks_of(d.kv, db), blocks_of(p.kv, pb),
+                                                     strict=True))
+        assert f"p{i}" in p.collect(lambda r, i=i: f"p{i}" in r.sent, 10).sent
+    assert d.worker.transport.peer(f"{p.engine_id}/0") is not None
+
+
+def test_local_prefix_hit_reads_only_the_rest(engines):
+    p, d = engines("P", seed=3), engines("D")
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    p.worker.submit(p.sched.take_meta())
+    meta = d_task(d, "d-req", offer, D_BLOCKS, hit=2 * BS)
+    assert meta.recv[0].local_block_ids == D_BLOCKS[2:]
+    d.worker.submit(meta)
+    assert d.collect(lambda r: "d-req" in r.recvd, 15).bad_blocks == set()
+    assert not any(t.any() for t in blocks_of(d.kv, D_BLOCKS[:2]))  # the local hit is not overwritten
+    for mine, theirs in zip(blocks_of(d.kv, D_BLOCKS[2:]), blocks_of(p.kv, P_BLOCKS[2:]), strict=True):
+        assert torch.equal(mine, theirs)
+    assert p.collect(lambda r: "p-req" in r.sent, 10).sent == {"p-req"}
+
+
+def test_read_completing_before_p_registers_the_send_frees_on_registration(engines):
+    p, d = engines("P", seed=4), engines("D")
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
+    assert d.collect(lambda r: "d-req" in r.recvd, 15).bad_blocks == set()
+    time.sleep(0.2)  # P's thread has seen the notification, no send registered yet
+    assert p.collect(lambda r: bool(r.sent), 0).sent == set()
+    p.worker.submit(p.sched.take_meta())
+    assert p.collect(lambda r: "p-req" in r.sent, 5).sent == {"p-req"}
+
+
+def test_release_only_task_frees_p_without_reading(engines):
+    p, d = engines("P", seed=5), engines("D")
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    p.worker.submit(p.sched.take_meta())
+    meta = d_task(d, "d-req", offer, D_BLOCKS, hit=len(PROMPT))  # full local hit
+    assert meta.recv[0].release_only
+    d.worker.submit(meta)
+    assert p.collect(lambda r: "p-req" in r.sent, 10).sent == {"p-req"}
+    got = d.collect(lambda r: False, 0.2)
+    assert got.recvd == set() and got.bad_blocks == set()  # nothing read, nothing to report
+    assert not any(t.any() for t in d.kv.values())
+
+
+def test_closed_handshake_port_fails_read_with_bad_blocks_within_timeout(engines):
+    p, d = engines("P", seed=6), engines("D", handshake_timeout_s=0.5)
+    p.sched.port = free_port()  # the offer names a port nobody listens on
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
+    t0 = time.monotonic()
+    got = d.collect(lambda r: "d-req" in r.recvd, 5)
+    assert got.recvd == {"d-req"} and got.bad_blocks == set(D_BLOCKS)
+    assert time.monotonic() - t0 < 0.5 + 1.5
+    assert d.worker.transport.peer(f"{p.engine_id}/0") is None
+    assert not any(t.any() for t in d.kv.values())
+
+
+def test_offer_naming_another_engine_at_that_port_fails_with_bad_blocks(engines):
+    p, d = engines("P", seed=7), engines("D")
+    p.sched.engine_id = "someone-else"
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
+    got = d.collect(lambda r: "d-req" in r.recvd, 5)
+    assert got.bad_blocks == set(D_BLOCKS)
+    assert not any(t.any() for t in d.kv.values())
+
+
+def test_out_of_range_remote_blocks_fail_and_release_p(engines):
+    p, d = engines("P", seed=8), engines("D")
+    offer = p_finish(p, "p-req", [0, 1, 2, 3, 4, N + 3])  # signed, but beyond P's cache
+    p.worker.submit(p.sched.take_meta())
+    d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
+    got = d.collect(lambda r: "d-req" in r.recvd, 10)
+    assert got.bad_blocks == set(D_BLOCKS)
+    assert p.collect(lambda r: "p-req" in r.sent, 5).sent == {"p-req"}  # P told to free now
+
+
+def test_p_send_timeout_frees_blocks_nobody_reads(engines):
+    p = engines("P", seed=9, send_timeout_s=0.6)
+    p_finish(p, "p-req", P_BLOCKS)
+    t0 = time.monotonic()
+    p.worker.submit(p.sched.take_meta())
+    assert p.collect(lambda r: bool(r.sent), 0.3).sent == set()  # still waiting for D
+    assert p.collect(lambda r: "p-req" in r.sent, 5).sent == {"p-req"}
+    assert 0.55 <= time.monotonic() - t0 < 2.0
+
+
+def test_empty_step_meta_is_ignored(engines):
+    p = engines("P")
+    p.worker.submit(StepMeta())
+    got = p.collect(lambda r: False, 0.1)
+    assert (got.sent, got.recvd, got.bad_blocks) == (set(), set(), set())
+
+
+def test_results_are_handed_over_once(engines):
+    p = engines("P", send_timeout_s=0.1)
+    p.worker.submit(StepMeta(send=["a"]))
+    assert p.collect(lambda r: "a" in r.sent, 5).sent == {"a"}
+    time.sleep(0.1)
+    r = p.worker.results()
+    assert r.sent == set() and r.recvd == set()
+
+
+def test_unknown_notifications_do_not_free_other_requests(engines):
+    p, d = engines("P", seed=10, send_timeout_s=30), engines("D")
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    p.worker.submit(p.sched.take_meta())
+    d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
+    d.collect(lambda r: "d-req" in r.recvd, 15)
+    assert p.collect(lambda r: "p-req" in r.sent, 5).sent == {"p-req"}
+    peer = d.worker.transport.peer(f"{p.engine_id}/0")
+    d.worker.transport.notify(peer, DONE_PREFIX + b"other")  # not waiting: must not report
+    d.worker.transport.notify(peer, b"garbage")
+    p.worker.submit(StepMeta(send=["third"]))
+    assert p.collect(lambda r: False, 0.3).sent == {"p-req"}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_bad_peer_metadata_fails_one_request_and_worker_keeps_serving(engines):
+    p, d = engines("P", seed=11), engines("D", recv_timeout_s=5)
+    bogus_port = free_port()
+    bogus = HandshakeServer("127.0.0.1", bogus_port, {
+        "engine_id": "bogus", "rank": 0, "metadata": b"not nixl metadata",
+        "layout": d.worker.transport.layout.to_wire()})
+    try:
+        p.sched.engine_id, p.sched.port = "bogus", bogus_port
+        bad = p_finish(p, "bad", P_BLOCKS)
+        p.sched.engine_id, p.sched.port = p.engine_id, p.port
+        d.worker.submit(d_task(d, "d-bad", bad, D_BLOCKS))
+        got = d.collect(lambda r: "d-bad" in r.recvd, 3)
+        assert got.recvd == {"d-bad"} and got.bad_blocks == set(D_BLOCKS)
+        good = p_finish(p, "good", P_BLOCKS)
+        d.worker.submit(d_task(d, "d-good", good, D_BLOCKS))
+        assert "d-good" in d.collect(lambda r: "d-good" in r.recvd, 5).recvd
+    finally:
+        bogus.close()
+
+
+def test_recv_task_dataclass_defaults():
+    from kvferry.connectors.params import RemotePrefill
+
+    o = RemotePrefill(remote_engine_id="e", remote_host="h", remote_port=1, remote_block_ids=[],
+                      remote_request_id="r", remote_num_tokens=0, prompt_hash="")
+    t = RecvTask("r", [], [], o)
+    assert t.release_only is False
