@@ -63,13 +63,31 @@ def _target(conn, device: str, num_blocks: int, layers: int) -> None:
     tp.close()
 
 
-def _time_reads(tp, peer, ids: list[int], iters: int, merge: bool) -> tuple[list[float], Any]:
+def _log(msg: str) -> None:
+    print(f"[xferbench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _recv(conn, proc, timeout: float = 120.0):
+    """Pipe receive that fails instead of hanging when the other process died or stalls."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"target process exited with {proc.exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("target process did not answer")
+    return conn.recv()
+
+
+def _time_reads(tp, peer, ids: list[int], iters: int, merge: bool,
+                timeout: float = 30.0) -> tuple[list[float], Any]:
     times, xfer = [], None
     for i in range(iters + 2):
         t0 = time.perf_counter()
         xfer = tp.start("READ", peer, ids, ids, merge=merge)
         while tp.poll(xfer) == "PROC":
-            pass
+            if time.perf_counter() - t0 > timeout:
+                tp.release(xfer)
+                raise TimeoutError(f"READ of {len(ids)} blocks not done after {timeout}s")
         if xfer.state != "DONE":
             raise RuntimeError(f"READ ended {xfer.state}")
         if i >= 2:  # two warm-ups
@@ -121,18 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(there, args.device, args.num_blocks, args.layers))
     proc.start()
+    _log("target started")
     dev = "cpu" if args.device == "cpu" else "cuda:1"
     if dev != "cpu":
         torch.cuda.set_device(1)
     caches = _caches(torch, dev, args.num_blocks, args.layers, fill=False)
     layout = _backend(dev).describe(caches, args.num_blocks, BLOCK)
     tp = Transport(layout, name="xfer-initiator")
-    meta, wire = here.recv()
+    _log(f"initiator registered {len(layout.regions)} regions")
+    meta, wire = _recv(here, proc)
     peer = tp.add_peer("target", meta, KVLayout.from_wire(wire))
+    _log("peer added")
 
     results: list[dict[str, Any]] = []
     commit = os.environ.get("KVFERRY_COMMIT", "")
-    command = " ".join([sys.executable.split("/")[-1], "-m", "kvferry.scripts.xferbench", *(argv or sys.argv[1:])])
+    command = " ".join(["python", "-m", "kvferry.scripts.xferbench", *(argv or sys.argv[1:])])
     base = {"experiment": "transfer", "hardware": args.hardware, "model": "qwen3-32b-kv",
             "layers": args.layers, "block_tokens": BLOCK, "command": command, "commit": commit,
             "date": datetime.date.today().isoformat()}
@@ -142,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         for merge in (True, False):
             if not merge and n > 64:
                 continue  # unmerged 1024-block reads: 131k descriptors, minutes; 64 shows the point
+            _log(f"READ {n} blocks merge={merge}")
             times, xfer = _time_reads(tp, peer, ids, args.iters if merge else 3, merge)
             med = statistics.median(times)
             row = {**base, "impl": "kvferry", "mode": "pull" if merge else "pull_unmerged",
@@ -150,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(json.dumps(row), flush=True)
         here.send(ids)
-        want = here.recv()
+        want = _recv(here, proc)
         got = [float(c[ids].float().sum()) for c in caches.values()]
         same = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(want, got, strict=True))
         ok &= same
@@ -161,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     del caches
     if args.device != "cpu":
         torch.cuda.empty_cache()
+        _log("torch peer copy")
         peer_times = _peer_copy(torch, args.num_blocks, args.layers, counts, args.iters)
         for n, med in peer_times.items():
             nbytes = n * args.layers * HEADS * BLOCK * 2 * HEAD_DIM * 2
