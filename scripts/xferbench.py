@@ -57,14 +57,20 @@ def _target(conn, device: str, num_blocks: int, layers: int) -> None:
     layout = _backend(device).describe(caches, num_blocks, BLOCK)
     tp = Transport(layout, name="xfer-target")
     conn.send((tp.metadata(), layout.to_wire()))
-    ids = conn.recv()  # blocks whose checksum D wants
-    conn.send([float(c[ids].float().sum()) for c in caches.values()])
-    conn.recv()  # done
+    while (ids := conn.recv()) != "done":  # blocks whose checksums D wants
+        conn.send([float(c[ids].float().sum()) for c in caches.values()])
     tp.close()
 
 
 def _log(msg: str) -> None:
     print(f"[xferbench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _emit(out: str, row: dict[str, Any]) -> None:
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def _recv(conn, proc, timeout: float = 120.0):
@@ -170,13 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                    "blocks": n, "bytes": xfer.nbytes, "descriptors": xfer.ndesc,
                    "ms_p50": round(med * 1e3, 3), "gbps": round(xfer.nbytes / med / 1e9, 1)}
             results.append(row)
-            print(json.dumps(row), flush=True)
+            _emit(args.out, row)
         here.send(ids)
         want = _recv(here, proc)
         got = [float(c[ids].float().sum()) for c in caches.values()]
         same = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(want, got, strict=True))
         ok &= same
-        results[-1]["data_ok"] = same
+        _log(f"{n} blocks: data {'OK' if same else 'MISMATCH'}")
     here.send("done")
     proc.join(timeout=60)
     tp.close()
@@ -190,16 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             row = {**base, "impl": "torch", "mode": "peer_copy", "blocks": n, "bytes": nbytes,
                    "ms_p50": round(med * 1e3, 3), "gbps": round(nbytes / med / 1e9, 1)}
             results.append(row)
-            print(json.dumps(row), flush=True)
+            _emit(args.out, row)
         for n in counts:
             k = next(r for r in results if r["mode"] == "pull" and r["blocks"] == n)
             t = next(r for r in results if r["mode"] == "peer_copy" and r["blocks"] == n)
             print(f"{n:5d} blocks: kvferry {k['gbps']:7.1f} GB/s  torch peer copy {t['gbps']:7.1f} GB/s"
                   f"  ratio {k['gbps'] / t['gbps']:.2f}")
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
     print("DATA OK" if ok else "DATA MISMATCH")
     return 0 if ok else 1
 
