@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvferry.connectors.layout import check_compatible, descriptors
 from kvferry.connectors.memory import KVLayout
@@ -32,12 +34,12 @@ class Peer:
 
 @dataclass
 class Transfer:
-    handle: object
+    handles: list
     peer: str
     nbytes: int
     ndesc: int
     state: str = "PROC"
-    tags: dict = field(default_factory=dict)
+    notif_after: bytes = b""  # sent once every lane is done (multi-lane READs)
 
 
 class Transport:
@@ -96,46 +98,62 @@ class Transport:
 
     # -- transfers -----------------------------------------------------------------------
     def start(self, op: str, peer: Peer, local_ids: Sequence[int], remote_ids: Sequence[int],
-              notif: bytes = b"", merge: bool = True) -> Transfer:
-        """Post a READ (remote -> local) or WRITE (local -> remote) of whole blocks."""
+              notif: bytes = b"", merge: bool = True, lanes: int = 1) -> Transfer:
+        """Post a READ (remote -> local) or WRITE (local -> remote) of whole blocks.
+
+        ``lanes`` > 1 splits a READ's descriptors into that many concurrently posted
+        requests (more copy engines / streams in flight); its notification then goes out
+        once all lanes are done. WRITEs keep one request so the notification is ordered
+        after the data by NIXL itself.
+        """
         loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids, merge)
         nbytes = int(loc[:, 1].sum()) if len(loc) else 0
         if not len(loc):  # nothing to move: still deliver the notification
             if notif:
                 self.agent.send_notif(peer.agent_name, notif)
-            return Transfer(None, peer.agent_name, 0, 0, "DONE")
+            return Transfer([], peer.agent_name, 0, 0, "DONE")
+        lanes = max(1, min(lanes if op == "READ" else 1, len(loc)))
+        xfer = Transfer([], peer.agent_name, nbytes, len(loc), "PROC",
+                        notif if lanes > 1 else b"")
         try:
-            ldl = self.agent.get_xfer_descs(loc, self.mem_type)
-            rdl = self.agent.get_xfer_descs(rem, peer.layout.regions[0].mem_type)
-            handle = self.agent.initialize_xfer(op, ldl, rdl, peer.agent_name, notif)
-            state = self.agent.transfer(handle)
+            for lo, re in zip(np.array_split(loc, lanes), np.array_split(rem, lanes), strict=True):
+                ldl = self.agent.get_xfer_descs(lo, self.mem_type)
+                rdl = self.agent.get_xfer_descs(re, peer.layout.regions[0].mem_type)
+                handle = self.agent.initialize_xfer(op, ldl, rdl, peer.agent_name,
+                                                    b"" if lanes > 1 else notif)
+                xfer.handles.append(handle)
+                if self.agent.transfer(handle) == "ERR":
+                    raise TransferError("posting returned ERR")
         except Exception as e:
+            self.release(xfer)
             raise TransferError(f"{op} to {peer.agent_name} failed to post: {e}") from e
-        if state == "ERR":
-            self.agent.release_xfer_handle(handle)
-            raise TransferError(f"{op} to {peer.agent_name} failed at post")
-        return Transfer(handle, peer.agent_name, nbytes, len(loc), state)
+        return xfer
 
     def poll(self, xfer: Transfer) -> str:
-        """DONE | PROC | ERR; releases the NIXL handle once the transfer ends."""
-        if xfer.state != "PROC" or xfer.handle is None:
+        """DONE | PROC | ERR; releases the NIXL handles once the transfer ends."""
+        if xfer.state != "PROC":
             return xfer.state
-        try:
-            xfer.state = self.agent.check_xfer_state(xfer.handle)
-        except Exception as e:
-            log.warning("transfer to %s: %s", xfer.peer, e)
-            xfer.state = "ERR"
+        states = []
+        for h in xfer.handles:
+            try:
+                states.append(self.agent.check_xfer_state(h))
+            except Exception as e:
+                log.warning("transfer to %s: %s", xfer.peer, e)
+                states.append("ERR")
+        xfer.state = "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
         if xfer.state != "PROC":
             self.release(xfer)
+            if xfer.state == "DONE" and xfer.notif_after:
+                self.agent.send_notif(xfer.peer, xfer.notif_after)
         return xfer.state
 
     def release(self, xfer: Transfer) -> None:
-        if xfer.handle is not None:
+        for h in xfer.handles:
             try:
-                self.agent.release_xfer_handle(xfer.handle)
+                self.agent.release_xfer_handle(h)
             except Exception as e:  # an in-flight handle may refuse release; NIXL aborts it
                 log.warning("release_xfer_handle: %s", e)
-            xfer.handle = None
+        xfer.handles = []
 
     # -- notifications ---------------------------------------------------------------------
     def notify(self, peer: Peer, msg: bytes) -> None:

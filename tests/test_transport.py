@@ -147,7 +147,7 @@ def test_read_copies_exactly_the_requested_blocks_and_notifies_p(pair):
     per_block = len(tr.layout.planes) * len(LOCAL)
     assert x.ndesc < per_block  # merged runs: fewer descriptors than one per block per plane
     assert x.nbytes == len(LOCAL) * sum(p.block_bytes for p in tr.layout.planes)
-    assert wait(tr, x) == "DONE" and x.handle is None  # handle released on completion
+    assert wait(tr, x) == "DONE" and x.handles == []  # handle released on completion
     assert tr.poll(x) == "DONE"
     untouched = [b for b in range(N) if b not in LOCAL]
     for name, t in d.items():
@@ -191,7 +191,7 @@ def test_fully_contiguous_read_is_one_descriptor_per_dense_plane(pair):
 def test_empty_transfer_still_delivers_notification(pair):
     tr, d, peer, conn, _ = pair
     x = tr.start("READ", peer, [], [], b"kvferry/done/release")
-    assert (x.state, x.ndesc, x.nbytes, x.handle) == ("DONE", 0, 0, None)
+    assert (x.state, x.ndesc, x.nbytes, x.handles) == ("DONE", 0, 0, [])
     assert tr.poll(x) == "DONE"
     assert ask(conn, "notifs", 10) == [b"kvferry/done/release"]
 
