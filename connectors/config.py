@@ -23,6 +23,14 @@ class ConnectorConfig(BaseModel):
     send_timeout_s: float = Field(120.0, gt=0)
     # D abandons a READ that has not completed after this long (dead peer, stuck link).
     recv_timeout_s: float = Field(30.0, gt=0)
+    # Push: P holds a finished prefill this long for D's registration; a registration
+    # waits this long for P's prefill (queueing + long prompts); D waits this long for the
+    # WRITE, then keeps its destination blocks quarantined a little longer in case a late
+    # WRITE still lands.
+    push_hold_timeout_s: float = Field(30.0, gt=0)
+    push_register_timeout_s: float = Field(120.0, gt=0)
+    push_recv_timeout_s: float = Field(180.0, gt=0)
+    push_quarantine_s: float = Field(10.0, ge=0)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -1,10 +1,10 @@
-"""KvferryConnector: the class vLLM loads; thin glue onto PullScheduler / TransferWorker.
+"""KvferryConnector: the class vLLM loads; thin glue onto TransferScheduler / TransferWorker.
 
 Load it with ``kv_connector_module_path: kvferry.connectors.connector`` and
 ``kv_connector: KvferryConnector`` (or just ``kv_connector: KvferryConnector`` once the
 ``vllm.general_plugins`` entry point registered it). A request's path: the router sends
 P ``do_remote_decode``; P's scheduler keeps the blocks and returns a signed offer
-(`scheduler.PullScheduler.finished`); the router passes it to D; D's scheduler validates
+(`scheduler.TransferScheduler.finished`); the router passes it to D; D's scheduler validates
 it and allocates blocks (`matched_tokens`, `after_alloc`); D's transfer thread READs
 (`worker.TransferWorker`) and notifies P, whose thread reports the blocks freed.
 """
@@ -18,7 +18,7 @@ from kvferry.connectors import compat
 from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory import get_backend
-from kvferry.connectors.scheduler import PullScheduler, StepMeta
+from kvferry.connectors.scheduler import StepMeta, TransferScheduler
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -35,12 +35,12 @@ class KvferryConnector(KVConnectorBase_V1):
         self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         self.engine_id = str(ktc.engine_id)
         self.block_size = vllm_config.cache_config.block_size
-        self._sched: PullScheduler | None = None
+        self._sched: TransferScheduler | None = None
         self._worker = None
         self._bad_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             tp = vllm_config.parallel_config.tensor_parallel_size
-            self._sched = PullScheduler(self.engine_id, self.cfg.side_channel_host,
+            self._sched = TransferScheduler(self.engine_id, self.cfg.side_channel_host,
                                         self.cfg.side_channel_port, self.block_size, tp)
 
     # -- scheduler side ----------------------------------------------------------------
@@ -61,7 +61,8 @@ class KvferryConnector(KVConnectorBase_V1):
         return KvferryMeta(self._sched.take_meta())
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._sched.worker_done(set(connector_output.finished_sending or ()))
+        self._sched.worker_done(set(connector_output.finished_sending or ()),
+                                set(connector_output.finished_recving or ()))
 
     def request_finished(self, request: Any, block_ids: Any):
         params = request.kv_transfer_params

@@ -81,7 +81,7 @@ def parse_offer(params: Mapping[str, Any], key: bytes | None = None) -> RemotePr
         raise InvalidParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
     sig = params.get(SIG)
     if not isinstance(sig, str) or len(sig) != 64 or not sig.isascii():
-        raise InvalidParams("offer is not signed by a kvferry prefill engine")
+        raise InvalidParams("offer is not signed by a kvferry prefill engine (bad signature)")
     k = secret() if key is None else key
     if not k:
         raise InvalidParams(f"{SECRET_ENV} is not set on this engine: offers cannot be verified")

@@ -36,11 +36,53 @@ class RecvTask:
 
 
 @dataclass
+class RegisterTask:
+    """Push, D: tell P where to write ``transfer_id``'s KV (tokens from ``first_token``)."""
+
+    req_id: str
+    transfer_id: str
+    host: str
+    port: int
+    block_ids: list[int]
+    first_token: int
+    num_tokens: int
+    prompt_hash: str
+
+
+@dataclass
+class PushSend:
+    """Push, P: prefill of ``transfer_id`` done; its blocks wait for D's registration."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    prompt_hash: str
+
+
+@dataclass
 class StepMeta:
     """Scheduler -> workers, once per engine step."""
 
     recv: list[RecvTask] = field(default_factory=list)
     send: list[str] = field(default_factory=list)  # P: request ids whose blocks wait for D
+    register: list[RegisterTask] = field(default_factory=list)  # push, D
+    push_send: list[PushSend] = field(default_factory=list)  # push, P
+    push_abort_p: list[str] = field(default_factory=list)  # push, P: transfer ids cancelled
+    push_abort_d: list[str] = field(default_factory=list)  # push, D: transfer ids cancelled
+
+    def has_push(self) -> bool:
+        return bool(self.register or self.push_send or self.push_abort_p or self.push_abort_d)
+
+
+@dataclass
+class _PushPending:
+    transfer_id: str
+    host: str
+    port: int
+    local_hit_tokens: int
+    num_tokens: int
+    prompt_hash: str
 
 
 @dataclass
@@ -50,7 +92,9 @@ class _Pending:
     num_tokens: int
 
 
-class PullScheduler:
+class TransferScheduler:
+    """Scheduler-side state of one engine, for pull and push (P and D roles alike)."""
+
     def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int = 1):
         self.engine_id = engine_id
         self.host = host
@@ -60,6 +104,8 @@ class PullScheduler:
         self._offers: dict[str, _Pending] = {}
         self._rejected: dict[str, str] = {}
         self._meta = StepMeta()
+        self._push: dict[str, _PushPending] = {}  # D: push requests before allocation
+        self.push_waiting: dict[str, str] = {}  # D: req id -> transfer id awaiting P's WRITE
         self.waiting_send: set[str] = set()  # P: delayed-free requests not yet reported
 
     # -- D side ------------------------------------------------------------------------
@@ -68,6 +114,8 @@ class PullScheduler:
         """Tokens D will load from P (async) beyond its own prefix-cache hit."""
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        if params.get("push"):
+            return self._push_matched(req_id, prompt, params, num_computed)
         pend = self._offers.get(req_id)
         if pend is None:
             if req_id in self._rejected:
@@ -95,8 +143,39 @@ class PullScheduler:
             raise InvalidParams(f"prefill TP {offer.remote_tp_size} != decode TP {self.tp_size}")
         return offer
 
+    def _push_matched(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any],
+                      num_computed: int) -> tuple[int, bool]:
+        """Push: D will receive P's WRITE for everything beyond its own prefix hit."""
+        pend = self._push.get(req_id)
+        if pend is None:
+            if req_id in self._rejected:
+                return 0, False
+            tid, host, port = params.get("transfer_id"), params.get("remote_host"), params.get("remote_port")
+            if not (isinstance(tid, str) and tid and isinstance(host, str)
+                    and isinstance(port, int) and 0 < port < 65536):
+                self._rejected[req_id] = "push params need transfer_id, remote_host, remote_port"
+                log.warning("request %s: recomputing locally: %s", req_id, self._rejected[req_id])
+                return 0, False
+            pend = self._push[req_id] = _PushPending(tid, host, port, num_computed, len(prompt),
+                                                     prompt_hash(prompt))
+        pend.local_hit_tokens = num_computed
+        count = pend.num_tokens - num_computed
+        return (count, True) if count > 0 else (0, False)
+
     def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         """Blocks exist for the request: queue the READ (or a release if nothing to read)."""
+        push = self._push.pop(req_id, None)
+        if push is not None:
+            hit = push.local_hit_tokens // self.block_size
+            need = blocks_needed(push.num_tokens, self.block_size)
+            if num_external <= 0 or hit >= need:  # nothing to receive: P may free at once
+                self._meta.push_abort_d.append(push.transfer_id)
+                return
+            self._meta.register.append(RegisterTask(
+                req_id, push.transfer_id, push.host, push.port, list(block_ids[hit:need]),
+                hit * self.block_size, push.num_tokens, push.prompt_hash))
+            self.push_waiting[req_id] = push.transfer_id
+            return
         pend = self._offers.pop(req_id, None)
         if pend is None:
             return
@@ -122,12 +201,31 @@ class PullScheduler:
                  prompt: Sequence[int], transfer_id: str = "") -> tuple[bool, dict[str, Any] | None]:
         """P: keep a finished prefill's blocks for D and publish the signed offer."""
         self._rejected.pop(req_id, None)
+        push = self._push.pop(req_id, None)
+        if push is not None:  # D push request ended before allocation: P may free
+            self._meta.push_abort_d.append(push.transfer_id)
+        if (tid := self.push_waiting.pop(req_id, None)) is not None:
+            # Aborted while P's WRITE may still land: vLLM keeps the blocks until the
+            # worker reports this request received, which it does once no WRITE can land.
+            self._meta.push_abort_d.append(tid)
         pend = self._offers.pop(req_id, None)
         if pend is not None:  # D request ended before its blocks were allocated
             self._meta.recv.append(RecvTask(req_id, [], [], pend.offer, release_only=True))
         # A D request aborted mid-READ needs nothing here: vLLM keeps its blocks until the
         # worker reports the READ finished (done or failed).
-        if not params or not params.get("do_remote_decode") or not ok or not block_ids:
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        if params.get("push"):
+            tid = str(params.get("transfer_id", ""))
+            if not ok or not block_ids or not tid:
+                if tid:
+                    self._meta.push_abort_p.append(tid)
+                return False, None
+            self._meta.push_send.append(PushSend(req_id, tid, list(block_ids), len(prompt),
+                                                 prompt_hash(prompt)))
+            self.waiting_send.add(req_id)
+            return True, {"transfer_id": tid, "push": True}
+        if not ok or not block_ids:
             return False, None
         offer = RemotePrefill(
             remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
@@ -139,9 +237,11 @@ class PullScheduler:
         self.waiting_send.add(req_id)
         return True, sign(offer)
 
-    def worker_done(self, sent: set[str]) -> None:
-        """Workers reported finished sends: P's blocks are free again."""
+    def worker_done(self, sent: set[str], recvd: set[str] = frozenset()) -> None:
+        """Workers reported finished sends (P's blocks free) and receives (D)."""
         self.waiting_send -= sent
+        for req_id in recvd:
+            self.push_waiting.pop(req_id, None)
 
     def take_meta(self) -> StepMeta:
         meta, self._meta = self._meta, StepMeta()

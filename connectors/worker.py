@@ -17,17 +17,19 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvferry.connectors import messages
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
 from kvferry.connectors.memory import KVLayout
+from kvferry.connectors.push_worker import PushEndpoint
 from kvferry.connectors.scheduler import RecvTask, StepMeta
 from kvferry.connectors.transport import Peer, Transfer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
-DONE_PREFIX = b"kvferry/done/"
 
 
 @dataclass
@@ -64,6 +66,8 @@ class TransferWorker:
         self._reads: dict[str, _Read] = {}
         self._send_wait: dict[str, float] = {}
         self._early: dict[str, float] = {}
+        self._addr_engine: dict[str, str] = {}
+        self.push = PushEndpoint(self)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-xfer-r{rank}", daemon=True)
         self._thread.start()
         log.info("kvferry worker %s rank %d: %d regions, %d planes, side channel %s",
@@ -71,7 +75,7 @@ class TransferWorker:
 
     # -- engine thread -----------------------------------------------------------------
     def submit(self, meta: StepMeta) -> None:
-        if meta.recv or meta.send:
+        if meta.recv or meta.send or meta.has_push():
             self._inbox.put(meta)
 
     def results(self) -> _Results:
@@ -88,7 +92,7 @@ class TransferWorker:
     # -- transfer thread ---------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = bool(self._reads)
+            busy = bool(self._reads) or self.push.busy()
             try:
                 with contextlib.suppress(queue.Empty):
                     self._accept(self._inbox.get(timeout=0.0005 if busy else 0.01))
@@ -100,27 +104,39 @@ class TransferWorker:
         now = time.monotonic()
         for req_id in meta.send:
             if self._early.pop(req_id, None) is not None:
-                self._report(sent={req_id})
+                self.report(sent={req_id})
             else:
                 self._send_wait[req_id] = now + self.cfg.send_timeout_s
         for task in meta.recv:
             self._start_read(task, now)
+        self.push.accept(meta, now)
+
+    def peer_at(self, host: str, port: int, engine_id: str | None = None) -> tuple[str, Peer]:
+        """(engine id, peer) for the same TP rank of the engine at host:port (cached).
+
+        ``engine_id`` (when the caller knows it) must match what the side channel says.
+        """
+        key = f"{engine_id}/{self.rank}" if engine_id else f"{host}:{port}/{self.rank}"
+        peer = self.transport.peer(key)
+        if peer is not None:
+            return engine_id or self._addr_engine[key], peer
+        info = fetch(host, port + self.rank, self.cfg.handshake_timeout_s)
+        found = str(info.get("engine_id"))
+        if engine_id and found != engine_id:
+            raise HandshakeError(f"{host}:{port} is engine {found!r}, expected {engine_id!r}")
+        peer = self.transport.add_peer(key, info["metadata"], KVLayout.from_wire(info["layout"]))
+        self._addr_engine[key] = found
+        return found, peer
+
+    def drop_peer(self, host: str, port: int, engine_id: str | None = None) -> None:
+        self.transport.drop_peer(f"{engine_id}/{self.rank}" if engine_id else f"{host}:{port}/{self.rank}")
 
     def _peer(self, task: RecvTask) -> Peer:
         o = task.offer
-        key = f"{o.remote_engine_id}/{self.rank}"
-        peer = self.transport.peer(key)
-        if peer is None:
-            info = fetch(o.remote_host, o.remote_port + self.rank, self.cfg.handshake_timeout_s)
-            if info.get("engine_id") != o.remote_engine_id:
-                raise HandshakeError(
-                    f"{o.remote_host}:{o.remote_port} is engine {info.get('engine_id')!r}, "
-                    f"offer names {o.remote_engine_id!r}")
-            peer = self.transport.add_peer(key, info["metadata"], KVLayout.from_wire(info["layout"]))
-        return peer
+        return self.peer_at(o.remote_host, o.remote_port, o.remote_engine_id)[1]
 
     def _start_read(self, task: RecvTask, now: float) -> None:
-        notif = DONE_PREFIX + task.offer.remote_request_id.encode()
+        notif = messages.encode(messages.Done(task.offer.remote_request_id))
         try:
             peer = self._peer(task)
             if task.release_only:
@@ -155,29 +171,38 @@ class TransferWorker:
                 log.info("kvferry READ %s: %d blocks, %d B in %d descriptors, %.1f ms", req_id,
                          len(rd.task.local_block_ids), rd.xfer.nbytes, rd.xfer.ndesc,
                          (now - rd.started) * 1e3)
-                self._report(recvd={req_id})
+                self.report(recvd={req_id})
             else:
                 log.warning("request %s: READ %s; recomputing", req_id,
                             "timed out" if state == "PROC" else "failed")
                 self.transport.release(rd.xfer)
                 self.transport.drop_peer(f"{rd.task.offer.remote_engine_id}/{self.rank}")
                 self._fail(rd.task)
-        for msg in self.transport.notifications():
-            if msg.startswith(DONE_PREFIX):
-                req_id = msg[len(DONE_PREFIX):].decode(errors="replace")
-                if self._send_wait.pop(req_id, None) is not None:
-                    self._report(sent={req_id})
+        for blob in self.transport.notifications():
+            msg = messages.decode(blob)
+            if isinstance(msg, messages.Done):
+                if self._send_wait.pop(msg.req_id, None) is not None:
+                    self.report(sent={msg.req_id})
                 else:
-                    self._early[req_id] = now + self.cfg.send_timeout_s
+                    self._early[msg.req_id] = now + self.cfg.send_timeout_s
+            elif msg is not None:
+                self.push.on_message(msg, now)
+            else:
+                log.warning("ignoring a notification that is not a kvferry message")
+        self.push.progress(now)
         for req_id, deadline in list(self._send_wait.items()):
             if now >= deadline:
                 log.warning("request %s: no decode read its KV within %.0fs; freeing",
                             req_id, self.cfg.send_timeout_s)
                 del self._send_wait[req_id]
-                self._report(sent={req_id})
+                self.report(sent={req_id})
         for req_id, deadline in list(self._early.items()):
             if now >= deadline:
                 del self._early[req_id]
+
+    def notify(self, peer: Peer, msg: messages.Message) -> None:
+        """Best effort: every protocol step has a timeout behind a lost message."""
+        self._release(peer, messages.encode(msg))
 
     def _release(self, peer: Peer, notif: bytes) -> None:
         try:
@@ -186,11 +211,11 @@ class TransferWorker:
             log.debug("release notice to %s: %s", peer.agent_name, e)
 
     def _fail(self, task: RecvTask) -> None:
-        with self._lock:
-            self._out.recvd.add(task.req_id)
-            self._out.bad_blocks.update(task.local_block_ids)
+        self.report(recvd={task.req_id}, bad_blocks=task.local_block_ids)
 
-    def _report(self, sent: set[str] = frozenset(), recvd: set[str] = frozenset()) -> None:
+    def report(self, sent: set[str] = frozenset(), recvd: set[str] = frozenset(),
+                bad_blocks: Iterable[int] = ()) -> None:
         with self._lock:
             self._out.sent |= sent
             self._out.recvd |= recvd
+            self._out.bad_blocks.update(bad_blocks)

@@ -4,6 +4,7 @@ Endpoints: POST /v1/completions and /v1/chat/completions (prefill -> decode, see
 kvferry.router.flow), GET /v1/models (proxied from a decode engine), GET /health
 (`?deep=true` also probes every engine), GET /metrics (Prometheus).
 Per-request mode: header `x-kvferry-mode` or body field `kvferry_mode`, else the default.
+Push needs the prefill engines' side-channel addresses (RouterSettings.prefill_kv_addrs).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ def resolve_mode(settings: RouterSettings, header: str | None, body: dict[str, A
     raw = header or body.get("kvferry_mode") or settings.mode
     if raw not in MODES:
         raise ValueError(f"unknown mode {raw!r}; expected one of {', '.join(MODES)}")
-    if raw == "push" and not settings.push_enabled:
-        raise ValueError("push mode not enabled")
     return raw  # type: ignore[return-value]
 
 

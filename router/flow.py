@@ -15,9 +15,19 @@ How a request flows (pull, the default):
 4. D's answer goes back to the client: SSE passed through chunk by chunk, or JSON (minus
    D's own `kv_transfer_params`, which are engine-internal).
 
-Push (`build_legs(mode="push")`): both engines are chosen up front and both legs are sent
-concurrently with one transfer_id; D registers its blocks with P, P writes into them.
-It is only dispatched when RouterSettings.push_enabled is set.
+Push (header `x-kvferry-mode: push` or body `kvferry_mode: "push"`): D is chosen first,
+then P; both legs are sent at once with one transfer_id. P gets
+{"do_remote_decode", "push", "transfer_id"}; D gets {"do_remote_prefill", "push",
+"transfer_id", "remote_host", "remote_port"} naming P's kvferry side channel
+(RouterSettings.prefill_kv_addrs), where D registers its blocks and P writes into them.
+The client gets D's answer; P's answer is awaited in the background. A failing P is only
+logged and counted (D's connector falls back to recompute); a failing D or a client that
+goes away cancels P.
+
+Timing for benchmarks: pull responses carry `x-kvferry-prefill-ms` (P leg duration). In
+push the headers leave before P is done, so the value travels in the body instead: a last
+SSE event `data: {"choices": [], "kvferry_prefill_ms": ms}` before `data: [DONE]`, or a
+top-level `kvferry_prefill_ms` field of a JSON answer (only when P has answered by then).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +48,7 @@ from . import bodies
 from .errors import RouterError, from_status, from_transport
 from .metrics import RouterMetrics
 from .settings import Mode, RouterSettings
-from .sse import UpstreamStream
+from .sse import ChunkFilter, InsertBeforeDone, UpstreamStream
 from .upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -48,6 +59,8 @@ FORWARD_HEADERS = ("authorization",)
 HDR_PREFILL = "x-kvferry-prefill"
 HDR_DECODE = "x-kvferry-decode"
 HDR_TRANSFER = "x-kvferry-transfer-id"
+HDR_PREFILL_MS = "x-kvferry-prefill-ms"
+BODY_PREFILL_MS = "kvferry_prefill_ms"
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -87,18 +100,27 @@ class Legs:
     decode_body: dict[str, Any] | None
 
 
-def build_legs(mode: Mode, endpoint: str, clean: dict[str, Any], transfer_id: str) -> Legs:
+def build_legs(
+    mode: Mode,
+    endpoint: str,
+    clean: dict[str, Any],
+    transfer_id: str,
+    prefill_kv: tuple[str, int] | None = None,
+) -> Legs:
     """Build the leg bodies for `mode` from a sanitised client body.
 
-    Push keys are provisional until the push connector lands: P gets
-    {"do_remote_decode", "transfer_id", "push"}, D gets {"do_remote_prefill",
-    "transfer_id", "push"}; the connectors match the two sides by transfer_id.
+    Push needs `prefill_kv`, the (host, port) of the chosen P's kvferry side channel: D
+    registers its blocks there and the connectors match the two sides by transfer_id.
     """
     if mode == "pull":
         p_params = bodies.pull_prefill_params(transfer_id)
         return Legs(mode, transfer_id, bodies.prefill_body(clean, endpoint, p_params), None)
-    p_params = {"do_remote_decode": True, "transfer_id": transfer_id, "push": True}
-    d_params = {"do_remote_prefill": True, "transfer_id": transfer_id, "push": True}
+    if prefill_kv is None:
+        raise ValueError("push legs need the prefill side-channel address")
+    host, port = prefill_kv
+    p_params = {"do_remote_decode": True, "push": True, "transfer_id": transfer_id}
+    d_params = {"do_remote_prefill": True, "push": True, "transfer_id": transfer_id,
+                "remote_host": host, "remote_port": port}
     return Legs(
         mode,
         transfer_id,
@@ -128,13 +150,14 @@ async def run_request(
     clean = bodies.sanitize(body)
     stream = bodies.wants_stream(clean)
     headers = forward_headers(client_headers, transfer_id)
-    legs = build_legs(mode, endpoint, clean, transfer_id)
-    if legs.mode == "push":
-        return await _run_push(ctx, endpoint, path, legs, headers, stream, started)
+    if mode == "push":
+        return await _run_push(ctx, endpoint, path, clean, transfer_id, headers, stream, started)
 
+    legs = build_legs(mode, endpoint, clean, transfer_id)
     p = ctx.prefill.choose()
-    resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
-    p_resp = await _prefill(ctx, p, path, legs.prefill_body, headers)
+    p_resp, p_secs = await _prefill(ctx, p, path, legs.prefill_body, headers)
+    resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id,
+                    HDR_PREFILL_MS: _ms_str(p_secs)}
     if p_resp.status_code != 200:
         # Client errors (unknown model, prompt too long...) are P's to explain.
         return _passthrough(p_resp, resp_headers)
@@ -155,8 +178,11 @@ async def run_request(
 
 async def _prefill(
     ctx: FlowContext, p: Upstream, path: str, body: dict[str, Any], headers: dict[str, str]
-) -> httpx.Response:
-    """POST the prefill leg; 5xx and transport failures become RouterError(leg=prefill)."""
+) -> tuple[httpx.Response, float]:
+    """POST the prefill leg; returns P's response and the leg's duration in seconds.
+
+    5xx and transport failures become RouterError(leg=prefill).
+    """
     t0 = time.perf_counter()
     with ctx.prefill.lease(p):
         try:
@@ -165,10 +191,11 @@ async def _prefill(
             )
         except httpx.HTTPError as exc:
             raise from_transport(exc, "prefill", p.url) from exc
-    ctx.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+    secs = time.perf_counter() - t0
+    ctx.metrics.prefill_seconds.observe(secs)
     if resp.status_code >= 500:
         raise from_status(resp.status_code, resp.text, "prefill", p.url)
-    return resp
+    return resp, secs
 
 
 async def _decode(
@@ -181,8 +208,10 @@ async def _decode(
     started: float,
     resp_headers: dict[str, str],
     d: Upstream | None = None,
+    hooks: DecodeHooks | None = None,
 ) -> Response:
     """Send the decode leg and hand its answer to the client (stream or JSON)."""
+    hooks = hooks or DecodeHooks()
     d = d or ctx.decode.choose()
     resp_headers = {**resp_headers, HDR_DECODE: d.url}
     ctx.decode.acquire(d)
@@ -200,7 +229,7 @@ async def _decode(
                 data = await resp.aread()
             else:
                 handed_off = True
-                return _stream(ctx, endpoint, resp, d, started, resp_headers)
+                return _stream(ctx, endpoint, resp, d, started, resp_headers, hooks)
         except httpx.HTTPError as exc:
             raise from_transport(exc, "decode", d.url) from exc
         finally:
@@ -216,7 +245,7 @@ async def _decode(
         ctx.metrics.ttft.labels(endpoint=endpoint, stream="false").observe(
             time.perf_counter() - started
         )
-        data = _strip_engine_params(data)
+        data = _finish_json(data, hooks.json_fields() if hooks.json_fields else {})
     return Response(
         data,
         status_code=resp.status_code,
@@ -232,6 +261,7 @@ def _stream(
     d: Upstream,
     started: float,
     resp_headers: dict[str, str],
+    hooks: DecodeHooks,
 ) -> UpstreamStream:
     """Wrap D's open SSE response; the D lease ends when the stream closes."""
 
@@ -251,44 +281,105 @@ def _stream(
         on_first_chunk=first_chunk,
         on_close=lambda: ctx.decode.release(d),
         on_error=on_error,
+        on_abort=hooks.on_abort,
+        chunk_filter=hooks.chunk_filter,
     )
+
+
+@dataclass
+class DecodeHooks:
+    """Optional extras for the decode leg (push uses them; pull needs none).
+
+    json_fields: extra top-level fields for a 200 JSON answer. chunk_filter: rewrites the
+    SSE bytes. on_abort: called when a stream ends badly (client gone, D broke).
+    """
+
+    json_fields: Callable[[], dict[str, Any]] | None = None
+    chunk_filter: ChunkFilter | None = None
+    on_abort: Callable[[], None] | None = None
+
+
+@dataclass
+class PushPrefill:
+    """The background P leg of one push request."""
+
+    task: asyncio.Task[None] | None = None
+    ms: float | None = None
+    """P leg duration once P answered 200, else None."""
+
+    def cancel(self) -> None:
+        """Abort P's request (closes its connection) unless it has finished."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def json_fields(self) -> dict[str, Any]:
+        return {} if self.ms is None else {BODY_PREFILL_MS: round(self.ms, 3)}
+
+    def sse_event(self) -> bytes | None:
+        if self.ms is None:
+            return None
+        payload = json.dumps({"choices": [], BODY_PREFILL_MS: round(self.ms, 3)})
+        return f"data: {payload}\n\n".encode()
 
 
 async def _run_push(
     ctx: FlowContext,
     endpoint: str,
     path: str,
-    legs: Legs,
+    clean: dict[str, Any],
+    transfer_id: str,
     headers: dict[str, str],
     stream: bool,
     started: float,
 ) -> Response:
-    """Push: choose P and D now, send both legs at once; D's answer is the client's.
+    """Push: choose D, then P; send both legs at once; D's answer is the client's.
 
-    A failing P leg is logged and counted; D then falls back per its connector's
-    kv_load_failure_policy (recompute), so the client still gets an answer.
+    A failing P leg is logged and counted but D is left alone: its connector falls back
+    (per kv_load_failure_policy) when P's write never comes. A failing D leg or a client
+    that disconnects cancels the P leg.
     """
-    assert legs.decode_body is not None
-    p = ctx.prefill.choose()
     d = ctx.decode.choose()
+    p = ctx.prefill.choose()
+    prefill_kv = ctx.settings.prefill_kv_addr(p.url)
+    if prefill_kv is None:
+        raise RouterError(400, f"push needs --prefill-kv for {p.url}", "invalid_request_error",
+                          "router", "no_prefill_kv")
+    legs = build_legs("push", endpoint, clean, transfer_id, prefill_kv)
+    assert legs.decode_body is not None
+    leg = PushPrefill()
+
+    def failed(kind: str, detail: str) -> None:
+        ctx.metrics.push_prefill_failures.labels(kind=kind).inc()
+        log.warning("push prefill leg on %s failed (transfer %s): %s; decode %s falls back",
+                    p.url, transfer_id, detail, d.url)
 
     async def prefill_leg() -> None:
         try:
-            resp = await _prefill(ctx, p, path, legs.prefill_body, headers)
-            if resp.status_code != 200:
-                log.warning("push prefill leg got HTTP %s (transfer %s): %s",
-                            resp.status_code, legs.transfer_id, resp.text[:300])
+            resp, secs = await _prefill(ctx, p, path, legs.prefill_body, headers)
         except RouterError as err:
             ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
-            log.warning("push prefill leg failed (transfer %s): %s", legs.transfer_id, err)
+            failed(err.kind, err.message)
+            return
+        if resp.status_code != 200:
+            failed(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {resp.text[:300]}")
+            return
+        leg.ms = secs * 1000.0
 
-    task = asyncio.create_task(prefill_leg())
-    ctx.background.add(task)
-    task.add_done_callback(ctx.background.discard)
-    resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: legs.transfer_id}
-    return await _decode(
-        ctx, endpoint, path, legs.decode_body, headers, stream, started, resp_headers, d
-    )
+    leg.task = asyncio.create_task(prefill_leg())
+    ctx.background.add(leg.task)
+    leg.task.add_done_callback(ctx.background.discard)
+    resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
+    hooks = DecodeHooks(json_fields=leg.json_fields, chunk_filter=InsertBeforeDone(leg.sse_event),
+                        on_abort=leg.cancel)
+    try:
+        resp = await _decode(ctx, endpoint, path, legs.decode_body, headers, stream, started,
+                             resp_headers, d, hooks)
+    except BaseException:
+        leg.cancel()
+        raise
+    if not isinstance(resp, UpstreamStream) and resp.status_code != 200:
+        leg.cancel()
+    return resp
 
 
 def _passthrough(resp: httpx.Response, headers: dict[str, str]) -> Response:
@@ -301,13 +392,18 @@ def _passthrough(resp: httpx.Response, headers: dict[str, str]) -> Response:
     )
 
 
-def _strip_engine_params(data: bytes) -> bytes:
-    """Drop D's `kv_transfer_params` (engine block locations) from a JSON answer."""
+def _ms_str(secs: float) -> str:
+    return f"{secs * 1000.0:.3f}"
+
+
+def _finish_json(data: bytes, extra: dict[str, Any]) -> bytes:
+    """Drop D's `kv_transfer_params` (engine block locations) and add `extra` fields."""
     try:
         obj = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return data
-    if isinstance(obj, dict) and "kv_transfer_params" in obj:
-        obj.pop("kv_transfer_params")
-        return json.dumps(obj).encode()
-    return data
+    if not isinstance(obj, dict) or ("kv_transfer_params" not in obj and not extra):
+        return data
+    obj.pop("kv_transfer_params", None)
+    obj.update(extra)
+    return json.dumps(obj).encode()

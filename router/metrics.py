@@ -53,6 +53,13 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        self.push_prefill_failures = Counter(
+            "kvferry_router_push_prefill_failures",
+            "Push-mode prefill legs that failed while decode went on (decode falls back).",
+            ["kind"],
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         """Text exposition format of every metric in this registry."""
         return generate_latest(self.registry)

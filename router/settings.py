@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 Mode = Literal["pull", "push"]
 MODES: tuple[str, ...] = ("pull", "push")
@@ -20,8 +20,10 @@ class RouterSettings(BaseModel):
     prefill_urls: list[str] = Field(min_length=1, description="Base URLs of prefill engines.")
     decode_urls: list[str] = Field(min_length=1, description="Base URLs of decode engines.")
     mode: Mode = Field("pull", description="Default transfer mode when a request names none.")
-    push_enabled: bool = Field(
-        False, description="Accept mode=push; off until the push connector is wired."
+    prefill_kv_addrs: list[str] = Field(
+        default_factory=list,
+        description="kvferry side-channel `host:port` of each prefill engine, aligned with "
+        "prefill_urls (empty: push mode is unavailable). D is told to register with it.",
     )
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout per upstream call.")
     prefill_timeout_s: float = Field(
@@ -48,3 +50,52 @@ class RouterSettings(BaseModel):
         if not out:
             raise ValueError("at least one upstream URL is required")
         return out
+
+    @field_validator("prefill_kv_addrs")
+    @classmethod
+    def _split_addrs(cls, addrs: list[str]) -> list[str]:
+        """Accept comma-separated `host:port` entries; check each one parses."""
+        out: list[str] = []
+        for entry in addrs:
+            for addr in entry.split(","):
+                addr = addr.strip()
+                if addr:
+                    parse_addr(addr)
+                    out.append(addr)
+        return out
+
+    @model_validator(mode="after")
+    def _check_push(self) -> RouterSettings:
+        n_kv, n_p = len(self.prefill_kv_addrs), len(self.prefill_urls)
+        if n_kv and n_kv != n_p:
+            raise ValueError(
+                f"{n_kv} prefill kv address(es) for {n_p} prefill URL(s); give one per prefill, "
+                "in the same order"
+            )
+        if self.mode == "push" and not n_kv:
+            raise ValueError("default mode push needs prefill_kv_addrs (--prefill-kv)")
+        return self
+
+    @property
+    def push_available(self) -> bool:
+        """True when push requests can be served (every P has a side-channel address)."""
+        return bool(self.prefill_kv_addrs)
+
+    def prefill_kv_addr(self, prefill_url: str) -> tuple[str, int] | None:
+        """(host, port) of the side channel of the P at `prefill_url`, if configured."""
+        try:
+            i = self.prefill_urls.index(prefill_url)
+        except ValueError:
+            return None
+        if i >= len(self.prefill_kv_addrs):
+            return None
+        return parse_addr(self.prefill_kv_addrs[i])
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port); ValueError with the entry otherwise."""
+    host, sep, port_s = addr.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(f"expected host:port, got {addr!r}")
+    return host, int(port_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import anyio
 import httpx
@@ -27,8 +28,57 @@ def sse_error_event(message: str, status: int, err_type: str) -> bytes:
     return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
 
 
+class ChunkFilter(Protocol):
+    """Rewrites the byte stream on its way to the client (may hold bytes back)."""
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
+DONE_EVENT = b"data: [DONE]"
+
+
+class InsertBeforeDone:
+    """Inserts `extra()` (when it returns bytes) just before the `data: [DONE]` event.
+
+    Chunk boundaries are arbitrary, so a chunk tail that could be the start of the
+    marker is held back until the next chunk (vLLM's chunks end with a blank line, so in
+    practice nothing is delayed).
+    """
+
+    def __init__(self, extra: Callable[[], bytes | None]) -> None:
+        self._extra = extra
+        self._held = b""
+        self._done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        data, self._held = self._held + chunk, b""
+        if self._done:
+            return data
+        start = 0
+        while (i := data.find(DONE_EVENT, start)) >= 0:
+            if i == 0 or data[i - 1 : i] == b"\n":
+                self._done = True
+                return data[:i] + (self._extra() or b"") + data[i:]
+            start = i + 1
+        for k in range(min(len(DONE_EVENT) - 1, len(data)), 0, -1):
+            if DONE_EVENT.startswith(data[-k:]):
+                self._held = data[-k:]
+                return data[:-k]
+        return data
+
+    def flush(self) -> bytes:
+        out, self._held = self._held, b""
+        return out
+
+
 class UpstreamStream(Response):
-    """Streams `upstream`'s body; calls `on_first_chunk` once and `on_close` exactly once."""
+    """Streams `upstream`'s body; calls `on_first_chunk` once and `on_close` exactly once.
+
+    `on_abort` is also called (before `on_close`) when the stream did not end cleanly:
+    the client went away or the upstream broke. `chunk_filter` may rewrite the bytes.
+    """
 
     def __init__(
         self,
@@ -40,6 +90,8 @@ class UpstreamStream(Response):
         on_first_chunk: Callable[[], None],
         on_close: Callable[[], None],
         on_error: Callable[[RouterError], None] | None = None,
+        on_abort: Callable[[], None] | None = None,
+        chunk_filter: ChunkFilter | None = None,
     ) -> None:
         self.upstream = upstream
         self.leg = leg
@@ -52,8 +104,11 @@ class UpstreamStream(Response):
         self._on_first_chunk = on_first_chunk
         self._on_close = on_close
         self._on_error = on_error
+        self._on_abort = on_abort
+        self._filter = chunk_filter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        clean = False
         try:
             async with anyio.create_task_group() as tg:
 
@@ -64,18 +119,24 @@ class UpstreamStream(Response):
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
-                await self._pump(send)
+                clean = await self._pump(send)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
-            self._on_close()
+            try:
+                if not clean and self._on_abort is not None:
+                    self._on_abort()
+            finally:
+                self._on_close()
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send) -> bool:
+        """Send the upstream body; True when the upstream ended without an error."""
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
         first = True
+        clean = True
         try:
             async for chunk in self.upstream.aiter_bytes():
                 if not chunk:
@@ -83,8 +144,15 @@ class UpstreamStream(Response):
                 if first:
                     first = False
                     self._on_first_chunk()
+                if self._filter is not None:
+                    chunk = self._filter.feed(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if self._filter is not None and (tail := self._filter.flush()):
+                await send({"type": "http.response.body", "body": tail, "more_body": True})
         except httpx.HTTPError as exc:
+            clean = False
             err = from_transport(exc, self.leg, self.url)
             log.warning("%s stream broke: %s", self.leg, err.message)
             if self._on_error is not None:
@@ -92,3 +160,4 @@ class UpstreamStream(Response):
             event = sse_error_event(err.message, err.status, err.err_type)
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return clean

@@ -71,7 +71,9 @@ def router(
     host: str = "127.0.0.1",
     port: int = 8000,
     mode: Annotated[str, typer.Option(help="Default transfer mode: pull|push.")] = "pull",
-    enable_push: Annotated[bool, typer.Option(help="Accept push-mode requests.")] = False,
+    prefill_kv: Annotated[list[str] | None, typer.Option(
+        help="kvferry side channel host:port of each prefill engine, same order as --prefill "
+        "(repeat or comma-list); needed for push mode.")] = None,
     connect_timeout: float = 3.0,
     prefill_timeout: float = 300.0,
     decode_timeout: float = 300.0,
@@ -85,7 +87,7 @@ def router(
                         "%(message)s")
     settings = RouterSettings(
         prefill_urls=prefill, decode_urls=decode, mode=_choice(mode, ("pull", "push"), "--mode"),
-        push_enabled=enable_push or mode == "push", connect_timeout_s=connect_timeout,
+        prefill_kv_addrs=prefill_kv or [], connect_timeout_s=connect_timeout,
         prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
     )
     serve(settings, host=host, port=port, log_level=log_level)
@@ -142,8 +144,9 @@ def _up(
     children: list[Child] = []
     # P signs its offers, D verifies them: one secret per deployment (see connectors/params.py).
     secret = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
+    specs: dict[str, EngineSpec] = {}
     for role in ROLES:
-        spec = EngineSpec(
+        spec = specs[role] = EngineSpec(
             role=role, model=str(model_dir.resolve()), port=ports[role],
             backend=hardware_backend,  # type: ignore[arg-type]
             connector=connector,  # type: ignore[arg-type]
@@ -159,6 +162,9 @@ def _up(
                    "--prefill", f"http://127.0.0.1:{prefill_port}",
                    "--decode", f"http://127.0.0.1:{decode_port}",
                    "--port", str(router_port), "--mode", mode]
+    if connector == "kvferry":
+        p_spec = specs["prefill"]
+        router_argv += ["--prefill-kv", f"{p_spec.host}:{p_spec.side_port}"]
     children.append(Child("router", router_argv, logs / "router.log", router_url + "/health"))
 
     if dry_run:

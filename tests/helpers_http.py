@@ -80,6 +80,10 @@ class FakeEngine:
     headers: list[dict[str, str]] = field(default_factory=list)
     chunk_sent_at: list[float] = field(default_factory=list)
     stream_closed_early: threading.Event = field(default_factory=threading.Event)
+    disconnected: threading.Event = field(default_factory=threading.Event)
+    """Set when a client closed its request while this engine was still delaying."""
+    received_at: list[float] = field(default_factory=list)
+    answered_at: list[float] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
 
@@ -90,13 +94,20 @@ class FakeEngine:
 
         async def answer(request: Request, chat: bool) -> Any:
             body = await request.json()
+            eng.received_at.append(time.monotonic())
             eng.received.append(body)
             eng.headers.append(dict(request.headers))
             eng.in_flight += 1
             eng.max_in_flight = max(eng.max_in_flight, eng.in_flight)
             try:
                 if eng.delay_s:
-                    await asyncio.sleep(eng.delay_s)
+                    deadline = time.monotonic() + eng.delay_s
+                    while (left := deadline - time.monotonic()) > 0:
+                        await asyncio.sleep(min(left, 0.02))
+                        if await request.is_disconnected():
+                            eng.disconnected.set()
+                            return JSONResponse({}, status_code=499)
+                eng.answered_at.append(time.monotonic())
                 if eng.status != 200:
                     msg = {"error": {"message": f"{eng.name} says {eng.status}"}}
                     return JSONResponse(msg, status_code=eng.status)

@@ -44,11 +44,18 @@ def test_build_legs() -> None:
     assert pull.decode_body is None
     assert pull.prefill_body["kv_transfer_params"] == {"do_remote_decode": True,
                                                        "transfer_id": "t1"}
-    push = build_legs("push", bodies.CHAT, {"messages": [], "stream": True}, "t2")
+    push = build_legs("push", bodies.CHAT, {"messages": [], "stream": True}, "t2",
+                      ("10.0.0.1", 5600))
     assert push.decode_body is not None
-    assert push.decode_body["kv_transfer_params"]["transfer_id"] == "t2"
+    assert push.decode_body["kv_transfer_params"] == {
+        "do_remote_prefill": True, "push": True, "transfer_id": "t2",
+        "remote_host": "10.0.0.1", "remote_port": 5600}
     assert push.decode_body["stream"] is True
-    assert push.prefill_body["kv_transfer_params"]["transfer_id"] == "t2"
+    assert push.prefill_body["kv_transfer_params"] == {
+        "do_remote_decode": True, "push": True, "transfer_id": "t2"}
+    assert push.prefill_body["stream"] is False
+    with pytest.raises(ValueError):
+        build_legs("push", bodies.CHAT, {"messages": []}, "t3")
 
 
 def test_least_loaded_round_robin_ties() -> None:
@@ -74,7 +81,23 @@ def test_settings_and_mode() -> None:
     with pytest.raises(ValidationError):
         RouterSettings(prefill_urls=[], decode_urls=["http://c:3"])
     assert resolve_mode(s, None, {}) == "pull"
-    with pytest.raises(ValueError, match="push mode not enabled"):
-        resolve_mode(s, "push", {})
-    assert resolve_mode(s.model_copy(update={"push_enabled": True}), None,
-                        {"kvferry_mode": "push"}) == "push"
+    assert resolve_mode(s, "push", {"kvferry_mode": "pull"}) == "push"  # header wins
+    assert resolve_mode(s, None, {"kvferry_mode": "push"}) == "push"
+    with pytest.raises(ValueError, match="unknown mode"):
+        resolve_mode(s, "teleport", {})
+
+
+def test_settings_prefill_kv_addrs() -> None:
+    urls = ["http://a:1", "http://b:2"]
+    s = RouterSettings(prefill_urls=urls, decode_urls=["http://c:3"],
+                       prefill_kv_addrs=["10.0.0.1:5600, [::1]:5601"], mode="push")
+    assert s.prefill_kv_addrs == ["10.0.0.1:5600", "[::1]:5601"]
+    assert s.prefill_kv_addr("http://b:2") == ("::1", 5601)
+    assert s.prefill_kv_addr("http://x:9") is None
+    assert RouterSettings(prefill_urls=urls, decode_urls=["http://c:3"]).prefill_kv_addr(
+        "http://a:1") is None
+    for bad in (["h:1"], ["h:1", "h:2", "h:3"], ["h", "h:2"], ["h:1", "h:99999"], ["h:1", ":2"]):
+        with pytest.raises(ValidationError):
+            RouterSettings(prefill_urls=urls, decode_urls=["http://c:3"], prefill_kv_addrs=bad)
+    with pytest.raises(ValidationError, match="push"):
+        RouterSettings(prefill_urls=urls, decode_urls=["http://c:3"], mode="push")

@@ -1,11 +1,11 @@
-"""Scheduler-side pull protocol (connectors/scheduler.py PullScheduler), no vLLM, no I/O."""
+"""Scheduler-side pull protocol (connectors/scheduler.py TransferScheduler), no vLLM, no I/O."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvferry.connectors.params import SECRET_ENV, SIG, RemotePrefill, parse_offer, prompt_hash, sign
-from kvferry.connectors.scheduler import PullScheduler, RecvTask, StepMeta
+from kvferry.connectors.scheduler import TransferScheduler, RecvTask, StepMeta
 
 BS = 4
 
@@ -15,12 +15,12 @@ def _secret(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "test-secret")
 
 
-def P(tp: int = 1) -> PullScheduler:
-    return PullScheduler("P0", "10.0.0.1", 5600, BS, tp)
+def P(tp: int = 1) -> TransferScheduler:
+    return TransferScheduler("P0", "10.0.0.1", 5600, BS, tp)
 
 
-def D(tp: int = 1) -> PullScheduler:
-    return PullScheduler("D0", "10.0.0.2", 5700, BS, tp)
+def D(tp: int = 1) -> TransferScheduler:
+    return TransferScheduler("D0", "10.0.0.2", 5700, BS, tp)
 
 
 PROMPT = list(range(100, 110))  # 10 tokens -> 3 blocks of 4
@@ -200,7 +200,7 @@ def test_d_non_remote_requests_load_nothing(params):
 
 
 # -- D side: reject ----------------------------------------------------------------------------
-def expect_rejected(d: PullScheduler, prompt, params, words: str):
+def expect_rejected(d: TransferScheduler, prompt, params, words: str):
     assert d.matched_tokens("d1", prompt, params, 0) == (0, False)
     why = d.rejection("d1")
     assert why is not None and words in why, why
@@ -243,7 +243,7 @@ def test_d_rejects_unsigned_offer():
 
 
 def test_d_rejects_malformed_offer():
-    expect_rejected(D(), PROMPT, {"do_remote_prefill": True, SIG: "x", "remote_port": "x"}, "malformed")
+    expect_rejected(D(), PROMPT, {"do_remote_prefill": True, SIG: "0" * 64, "remote_port": "x"}, "malformed")
 
 
 def test_d_rejection_is_sticky_until_finished():

@@ -1,7 +1,7 @@
 """TransferWorker (connectors/worker.py): two in-process workers over real NIXL, DRAM tensors.
 
 P and D each have their own CpuBackend layout, NIXL agent and side-channel port; offers are
-real signed offers from PullScheduler, so this is the pull path minus vLLM.
+real signed offers from TransferScheduler, so this is the pull path minus vLLM.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from kvferry.connectors import messages
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.handshake import HandshakeServer
 from kvferry.connectors.memory import CpuBackend
 from kvferry.connectors.params import SECRET_ENV
-from kvferry.connectors.scheduler import PullScheduler, RecvTask, StepMeta
-from kvferry.connectors.worker import DONE_PREFIX, TransferWorker, _Results
+from kvferry.connectors.scheduler import RecvTask, StepMeta, TransferScheduler
+from kvferry.connectors.worker import TransferWorker, _Results
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,7 +53,7 @@ class Engine:
         self.kv = caches(seed)
         self.worker = TransferWorker(self.cfg, self.engine_id, 0,
                                      CpuBackend().describe(self.kv, N, BS))
-        self.sched = PullScheduler(self.engine_id, "127.0.0.1", self.port, BS)
+        self.sched = TransferScheduler(self.engine_id, "127.0.0.1", self.port, BS)
         self.acc = _Results()
 
     def collect(self, until: Callable[[_Results], bool], timeout: float) -> _Results:
@@ -239,7 +240,7 @@ def test_unknown_notifications_do_not_free_other_requests(engines):
     d.collect(lambda r: "d-req" in r.recvd, 15)
     assert p.collect(lambda r: "p-req" in r.sent, 5).sent == {"p-req"}
     peer = d.worker.transport.peer(f"{p.engine_id}/0")
-    d.worker.transport.notify(peer, DONE_PREFIX + b"other")  # not waiting: must not report
+    d.worker.transport.notify(peer, messages.encode(messages.Done("other")))  # not waiting: must not report
     d.worker.transport.notify(peer, b"garbage")
     p.worker.submit(StepMeta(send=["third"]))
     assert p.collect(lambda r: False, 0.3).sent == {"p-req"}

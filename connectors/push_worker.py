@@ -1,0 +1,235 @@
+"""Push on the transfer thread: D registers, P writes. I/O glue around push_match.
+
+D side: for each `RegisterTask` D fetches P's handshake (cached), sends a signed
+`Register` notification with its destination blocks, and waits in a `PushReceiver` for
+P's `Wrote`. P side: `PushMatcher` pairs registrations with finished prefills (either
+order); the later event starts the WRITE here, on this thread, never on the engine loop.
+Every outcome reaches vLLM as a finished send (P frees) or a finished receive (D decodes,
+or recomputes with the blocks reported bad), and D reuses destination blocks only when no
+WRITE can still land (P's rejection, or the quarantine after a timeout/abort).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvferry.connectors import messages
+from kvferry.connectors.params import struct_sig, struct_sig_ok
+from kvferry.connectors.push_match import (
+    Destination,
+    FreeBlocks,
+    PushMatcher,
+    PushReceiver,
+    RecvFailed,
+    RecvReady,
+    Reject,
+    ReleaseDest,
+    StartWrite,
+)
+from kvferry.connectors.scheduler import RegisterTask, StepMeta
+from kvferry.connectors.transport import Transfer
+
+if TYPE_CHECKING:
+    from kvferry.connectors.worker import TransferWorker
+
+log = logging.getLogger("vllm." + __name__)
+
+
+@dataclass
+class _DReq:
+    """D: one registered transfer."""
+
+    req_id: str
+    block_ids: list[int]
+    host: str
+    port: int
+    ready: bool = False
+
+
+@dataclass
+class _PReq:
+    """P: one prefilled request and, once registered, where its KV goes."""
+
+    req_id: str = ""
+    prompt_hash: str = ""
+    reg: messages.Register | None = None
+
+
+@dataclass
+class _Write:
+    xfer: Transfer
+    deadline: float
+    started: float
+
+
+class PushEndpoint:
+    def __init__(self, worker: TransferWorker):
+        self.w = worker
+        cfg = worker.cfg
+        layout = worker.transport.layout
+        self.matcher = PushMatcher(layout.block_size, layout.num_blocks,
+                                   hold_timeout=cfg.push_hold_timeout_s,
+                                   register_timeout=cfg.push_register_timeout_s)
+        self.receiver = PushReceiver(recv_timeout=cfg.push_recv_timeout_s,
+                                     quarantine=cfg.push_quarantine_s)
+        self._d: dict[str, _DReq] = {}
+        self._p: dict[str, _PReq] = {}
+        self._writes: dict[str, _Write] = {}
+        self._last_tick = 0.0
+
+    def busy(self) -> bool:
+        return bool(self._writes)
+
+    # -- from the engine's step metadata -------------------------------------------------
+    def accept(self, meta: StepMeta, now: float) -> None:
+        for task in meta.register:
+            self._register(task, now)
+        for s in meta.push_send:
+            p = self._p.setdefault(s.transfer_id, _PReq())
+            p.req_id, p.prompt_hash = s.req_id, s.prompt_hash
+            if p.reg is not None and p.reg.prompt_hash != s.prompt_hash:
+                self._run(self.matcher.abort(s.transfer_id, now))  # registered a different prompt
+            self._run(self.matcher.prefill_done(s.transfer_id, s.transfer_id, s.block_ids,
+                                                s.num_tokens, now))
+        for tid in meta.push_abort_p:
+            self._run(self.matcher.abort(tid, now))
+        for tid in meta.push_abort_d:
+            d = self._d.get(tid)
+            self._apply(self.receiver.abort(tid, now))
+            if d is not None:
+                self._tell_p(d, messages.Abort(tid))
+            # else: never registered (nothing allocated or still unknown to P): P's hold
+            # timeout frees its blocks; nothing to wait for here.
+
+    # -- D --------------------------------------------------------------------------------
+    def _register(self, task: RegisterTask, now: float) -> None:
+        layout = self.w.transport.layout
+        self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port)
+        self._apply(self.receiver.expect(task.transfer_id, task.req_id, {self.w.rank}, now))
+        reg = messages.Register(
+            transfer_id=task.transfer_id, engine_id=self.w.engine_id,
+            host=self.w.cfg.side_channel_host, port=self.w.cfg.side_channel_port, rank=self.w.rank,
+            block_ids=task.block_ids, block_size=layout.block_size, num_blocks=layout.num_blocks,
+            first_token=task.first_token, num_tokens=task.num_tokens, prompt_hash=task.prompt_hash)
+        reg.sig = struct_sig(reg)
+        try:
+            _, peer = self.w.peer_at(task.host, task.port)
+            self.w.transport.notify(peer, messages.encode(reg))
+        except Exception as e:  # P unreachable: it never saw us, so no WRITE can land
+            log.warning("request %s: push registration with %s:%d failed (%s); recomputing",
+                        task.req_id, task.host, task.port, e)
+            self.w.drop_peer(task.host, task.port)
+            self._apply(self.receiver.rejected(task.transfer_id, f"registration failed: {e}", now))
+            return
+        log.debug("push %s: registered %d blocks with %s:%d", task.transfer_id,
+                  len(task.block_ids), task.host, task.port)
+
+    def _tell_p(self, d: _DReq, msg: messages.Message) -> None:
+        try:
+            self.w.notify(self.w.peer_at(d.host, d.port)[1], msg)
+        except Exception as e:
+            log.debug("push: cannot reach P %s:%d: %s", d.host, d.port, e)
+
+    def _apply(self, actions: list) -> None:
+        for a in actions:
+            d = self._d.get(a.transfer_id)
+            if isinstance(a, RecvReady):
+                if d is not None:
+                    d.ready = True
+                    del self._d[a.transfer_id]
+                self.w.report(recvd={a.req_id})
+            elif isinstance(a, RecvFailed):
+                log.warning("push %s (request %s): %s; recomputing once no WRITE can land",
+                            a.transfer_id, a.req_id, a.reason)
+                if d is not None and "rejected" not in a.reason:
+                    self._tell_p(d, messages.Abort(a.transfer_id))
+            elif isinstance(a, ReleaseDest):
+                self._d.pop(a.transfer_id, None)
+                self.w.report(recvd={a.req_id}, bad_blocks=d.block_ids if d else ())
+
+    # -- P --------------------------------------------------------------------------------
+    def _run(self, actions: list) -> None:
+        now = time.monotonic()
+        freed = []
+        for a in actions:
+            p = self._p.get(a.transfer_id)
+            if isinstance(a, StartWrite):
+                self._start_write(a, p, now)
+            elif isinstance(a, FreeBlocks):
+                freed.append(a.transfer_id)  # forget after this batch: a Reject may follow
+                if p is not None and p.req_id:
+                    self.w.report(sent={p.req_id})
+            elif isinstance(a, Reject):
+                log.info("push %s: rejecting D's registration: %s", a.transfer_id, a.reason)
+                reg = p.reg if p is not None else None
+                if reg is not None:
+                    self._notify_d(reg, messages.Rejected(a.transfer_id, a.reason))
+        for tid in freed:
+            self._p.pop(tid, None)
+
+    def _notify_d(self, reg: messages.Register, msg: messages.Message) -> None:
+        try:
+            self.w.notify(self.w.peer_at(reg.host, reg.port, reg.engine_id)[1], msg)
+        except Exception as e:
+            log.debug("push: cannot reach D %s: %s", reg.engine_id, e)
+
+    def _start_write(self, a: StartWrite, p: _PReq | None, now: float) -> None:
+        reg = p.reg if p is not None else None
+        try:
+            if reg is None:
+                raise RuntimeError("registration vanished")
+            if reg.prompt_hash != p.prompt_hash:
+                raise ValueError("D registered a different prompt")
+            _, peer = self.w.peer_at(reg.host, reg.port, reg.engine_id)
+            xfer = self.w.transport.start("WRITE", peer, a.src_block_ids, a.dest_block_ids[0],
+                                          messages.encode(messages.Wrote(a.transfer_id, self.w.rank)))
+        except Exception as e:
+            log.warning("push %s: WRITE not started: %s", a.transfer_id, e)
+            self._run(self.matcher.write_failed(a.transfer_id, str(e), now))
+            return
+        self._writes[a.transfer_id] = _Write(xfer, now + self.w.cfg.recv_timeout_s, now)
+
+    def on_message(self, msg: messages.Message, now: float) -> None:
+        if isinstance(msg, messages.Register):
+            if not struct_sig_ok(msg, msg.sig):
+                log.warning("push %s: ignoring an unsigned or forged registration", msg.transfer_id)
+                return
+            p = self._p.setdefault(msg.transfer_id, _PReq())
+            p.reg = msg
+            if p.req_id and p.prompt_hash != msg.prompt_hash:
+                self._run(self.matcher.abort(msg.transfer_id, now))
+            dest = Destination(msg.engine_id, "", (tuple(msg.block_ids),), msg.block_size,
+                               msg.num_blocks, first_token=msg.first_token)
+            if msg.block_size != self.matcher.block_size:
+                self._notify_d(msg, messages.Rejected(msg.transfer_id, "block sizes differ"))
+                return
+            self._run(self.matcher.registered(msg.transfer_id, msg.transfer_id, dest, now))
+        elif isinstance(msg, messages.Abort):
+            self._run(self.matcher.abort(msg.transfer_id, now))
+        elif isinstance(msg, messages.Wrote):
+            self._apply(self.receiver.notified(msg.transfer_id, msg.rank))
+        elif isinstance(msg, messages.Rejected):
+            self._apply(self.receiver.rejected(msg.transfer_id, msg.reason, now))
+
+    # -- polling --------------------------------------------------------------------------
+    def progress(self, now: float) -> None:
+        for tid, wr in list(self._writes.items()):
+            state = self.w.transport.poll(wr.xfer)
+            if state == "PROC" and now < wr.deadline:
+                continue
+            del self._writes[tid]
+            if state == "DONE":
+                log.info("kvferry WRITE %s: %d B in %d descriptors, %.1f ms", tid, wr.xfer.nbytes,
+                         wr.xfer.ndesc, (now - wr.started) * 1e3)
+                self._run(self.matcher.write_done(tid, now))
+            else:
+                self.w.transport.release(wr.xfer)
+                self._run(self.matcher.write_failed(tid, "timed out" if state == "PROC" else "error",
+                                                    now))
+        if now - self._last_tick >= 0.05:
+            self._last_tick = now
+            self._run(self.matcher.tick(now))
+            self._apply(self.receiver.tick(now))
