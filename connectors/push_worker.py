@@ -190,13 +190,16 @@ class PushEndpoint:
             log.warning("push %s: WRITE not started: %s", a.transfer_id, e)
             self._run(self.matcher.write_failed(a.transfer_id, str(e), now))
             return
-        self._writes[a.transfer_id] = _Write(xfer, now + self.w.cfg.recv_timeout_s, now)
+        started = time.monotonic()
+        self._writes[a.transfer_id] = _Write(xfer, started + self.w.cfg.recv_timeout_s, started)
 
     def on_message(self, msg: messages.Message, now: float) -> None:
         if isinstance(msg, messages.Register):
             if not struct_sig_ok(msg, msg.sig):
                 log.warning("push %s: ignoring an unsigned or forged registration", msg.transfer_id)
                 return
+            log.info("push %s: registration from %s (%d blocks from token %d)", msg.transfer_id,
+                     msg.engine_id, len(msg.block_ids), msg.first_token)
             p = self._p.setdefault(msg.transfer_id, _PReq())
             p.reg = msg
             if p.req_id and p.prompt_hash != msg.prompt_hash:

@@ -85,11 +85,18 @@ def router(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    settings = RouterSettings(
-        prefill_urls=prefill, decode_urls=decode, mode=_choice(mode, ("pull", "push"), "--mode"),
-        prefill_kv_addrs=prefill_kv or [], connect_timeout_s=connect_timeout,
-        prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
-    )
+    from pydantic import ValidationError
+
+    try:
+        settings = RouterSettings(
+            prefill_urls=prefill, decode_urls=decode,
+            mode=_choice(mode, ("pull", "push"), "--mode"),  # type: ignore[arg-type]
+            prefill_kv_addrs=prefill_kv or [], connect_timeout_s=connect_timeout,
+            prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
+        )
+    except ValidationError as exc:
+        msgs = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise typer.BadParameter(msgs) from exc
     serve(settings, host=host, port=port, log_level=log_level)
 
 

@@ -8,15 +8,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from helpers_http import closed_port_url
 from typer.testing import CliRunner
 
+from kvferry.router.settings import RouterSettings
 from kvferry.scripts import cli
 from kvferry.scripts.engines import (
     EngineSpec,
@@ -105,11 +107,29 @@ def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
                                 "--engine-arg", "--block-size 16", "--", "--foo"])
     assert r.exit_code == 0, r.output
     assert "--port 9100" in r.output and "--block-size 16 --foo" in r.output
-    assert "--mode push" in r.output
+    assert "--mode push" in r.output and "--prefill-kv 127.0.0.1:5600" in r.output
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--connector", "vllm-nixl"])
+    assert r.exit_code == 0 and "--prefill-kv" not in r.output
     bad = runner.invoke(cli.app, ["up", "--dry-run", "--hardware-backend", "tpu"])
     assert bad.exit_code != 0
     bad = runner.invoke(cli.app, ["up", "--dry-run", "--mode", "push", "--connector", "vllm-nixl"])
     assert bad.exit_code != 0
+
+
+def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.router import app as router_app
+
+    seen: list[RouterSettings] = []
+    monkeypatch.setattr(router_app, "serve", lambda settings, **kw: seen.append(settings))
+    r = runner.invoke(cli.app, ["router", "--prefill", "http://a:1,http://b:2", "--decode",
+                                "http://c:3", "--mode", "push", "--prefill-kv", "10.0.0.1:5600",
+                                "--prefill-kv", "10.0.0.2:5600"])
+    assert r.exit_code == 0, r.output
+    assert seen[0].mode == "push"
+    assert seen[0].prefill_kv_addr("http://b:2") == ("10.0.0.2", 5600)
+    r = runner.invoke(cli.app, ["router", "--prefill", "http://a:1", "--decode", "http://c:3",
+                                "--mode", "push"])
+    assert r.exit_code != 0 and len(seen) == 1  # push without --prefill-kv: refused
 
 
 def test_model_command(tmp_path: Path) -> None:
@@ -118,8 +138,16 @@ def test_model_command(tmp_path: Path) -> None:
     assert runner.invoke(cli.app, ["model", str(tmp_path / "x"), "--shape", "nope"]).exit_code
 
 
-def _free_port() -> int:
-    return int(closed_port_url().rsplit(":", 1)[1])
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports (all sockets are held until every port is picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _fake_engines(monkeypatch: pytest.MonkeyPatch, crash: str | None = None) -> None:
@@ -132,8 +160,8 @@ def _fake_engines(monkeypatch: pytest.MonkeyPatch, crash: str | None = None) -> 
 
 
 def _ports() -> list[str]:
-    return ["--prefill-port", str(_free_port()), "--decode-port", str(_free_port()),
-            "--router-port", str(_free_port())]
+    p, d, r = _free_ports(3)
+    return ["--prefill-port", str(p), "--decode-port", str(d), "--router-port", str(r)]
 
 
 def test_run_with_fake_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,8 +206,39 @@ def test_stop_all_kills_whole_group(tmp_path: Path) -> None:
             raise ProcessLookupError
 
 
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> list[str]:
+    """Lines of proc's stdout up to the one containing `marker` (or EOF / timeout)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if marker in line:
+                break
+        done.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    done.wait(timeout_s)
+    return lines
+
+
+def _logs(root: Path) -> str:
+    return "".join(f"\n--- {p.name}:\n{p.read_text(errors='replace')[-3000:]}"
+                   for p in sorted((root / ".kvferry" / "logs").glob("*.log")))
+
+
 def test_up_stops_on_sigterm(tmp_path: Path) -> None:
-    """A real `kvferry up` process: SIGTERM stops it and its children (fake engines)."""
+    """A real `kvferry up` process: SIGTERM stops it and its children (fake engines).
+
+    Robust under CPU load: the model dir is given (no tokenizer training or torch weight
+    generation in the timed part; fake engines ignore it), start-up gets minutes, and a
+    failure shows `up`'s output and every child's log.
+    """
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); h = sys.argv[2];"
         "from kvferry.scripts import cli;"
@@ -187,20 +246,27 @@ def test_up_stops_on_sigterm(tmp_path: Path) -> None:
         "sys.argv = ['kvferry', 'up', *sys.argv[3:]]; cli.main()"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, str(HELPERS.parent), str(HELPERS), *_ports()],
+        [sys.executable, "-c", script, str(HELPERS.parent), str(HELPERS), *_ports(),
+         "--model", str(model_dir), "--startup-timeout", "240"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "running; Ctrl-C to stop" in line:
-            break
-    pids = [int(ln.split("pid ")[1].split(",")[0]) for ln in lines if ln.startswith("started")]
-    assert len(pids) == 3, "".join(lines)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 143, out
+    try:
+        lines = _read_until(proc, "running; Ctrl-C to stop", timeout_s=300)
+        head = "".join(lines)
+        assert "running; Ctrl-C to stop" in head, head + _logs(tmp_path)
+        pids = [int(ln.split("pid ")[1].split(",")[0]) for ln in lines if ln.startswith("started")]
+        assert len(pids) == 3, head
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:  # failed early: stop `up` (and so its children), then wait
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 143, head + out + _logs(tmp_path)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)

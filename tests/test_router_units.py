@@ -9,6 +9,7 @@ from kvferry.router import bodies
 from kvferry.router.app import resolve_mode
 from kvferry.router.flow import build_legs
 from kvferry.router.settings import RouterSettings
+from kvferry.router.sse import InsertBeforeDone
 from kvferry.router.upstreams import UpstreamPool
 
 
@@ -101,3 +102,15 @@ def test_settings_prefill_kv_addrs() -> None:
             RouterSettings(prefill_urls=urls, decode_urls=["http://c:3"], prefill_kv_addrs=bad)
     with pytest.raises(ValidationError, match="push"):
         RouterSettings(prefill_urls=urls, decode_urls=["http://c:3"], mode="push")
+
+
+def test_insert_before_done_across_chunk_boundaries() -> None:
+    stream = b'data: {"a": 1}\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream)):
+        f = InsertBeforeDone(lambda: b"data: {}\n\n")
+        out = f.feed(stream[:cut]) + f.feed(stream[cut:]) + f.flush()
+        assert out == b'data: {"a": 1}\n\ndata: {}\n\ndata: [DONE]\n\n', cut
+    f = InsertBeforeDone(lambda: None)  # nothing to add: bytes unchanged
+    assert f.feed(stream) + f.flush() == stream
+    f = InsertBeforeDone(lambda: b"X")  # no [DONE] at all (broken stream): nothing lost
+    assert f.feed(b"data: x\n\nda") + f.flush() == b"data: x\n\nda"

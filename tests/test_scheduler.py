@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvferry.connectors.params import SECRET_ENV, SIG, RemotePrefill, parse_offer, prompt_hash, sign
-from kvferry.connectors.scheduler import TransferScheduler, RecvTask, StepMeta
+from kvferry.connectors.scheduler import RecvTask, StepMeta, TransferScheduler
 
 BS = 4
 
