@@ -104,7 +104,8 @@ def pd_stack(model: str, logs: Path, connector: str = "kvferry",
         children = [p.child, d.child]
         stack.callback(stop_all, children)
         wait_healthy(children, STARTUP_S)
-        settings = RouterSettings(prefill_urls=[p.url], decode_urls=[d.url],
+        kv = [f"127.0.0.1:{p.side_port}"] if connector == "kvferry" else []
+        settings = RouterSettings(prefill_urls=[p.url], decode_urls=[d.url], prefill_kv_addrs=kv,
                                   prefill_timeout_s=120, decode_timeout_s=120)
         router = stack.enter_context(serve(create_app(settings)))
         yield Stack(p, d, router, secret, model, children)

@@ -131,3 +131,22 @@ def test_prefill_never_claimed_frees_blocks(stack):
     wait_until(lambda: stack.prefill.kv_usage() == 0, EXTRA["push_hold_timeout_s"] + 10,
                "P to free unclaimed blocks")
     assert stack.decode.kv_usage() == 0
+
+
+def test_push_through_router(stack):
+    """The router picks D first and sends both legs at once with one transfer id."""
+    import httpx
+
+    for n in (64, 1000):
+        toks = prompt(n, 100 + n)
+        want = complete(stack.prefill.url, stack.model, toks)
+        writes_before = stack.prefill.log_count("kvferry WRITE ")
+        body = {"model": stack.model, "prompt": toks, "max_tokens": 12, "temperature": 0,
+                "logprobs": 5, "return_token_ids": True}
+        r = httpx.post(stack.router + "/v1/completions", json=body, timeout=120,
+                       headers={"x-kvferry-mode": "push"})
+        r.raise_for_status()
+        assert_same_output(r.json(), want)
+        assert stack.prefill.log_count("kvferry WRITE ") == writes_before + 1
+    wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITEs")
+    assert stack.decode.kv_usage() == 0
