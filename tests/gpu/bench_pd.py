@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--input-len", default="4096,16384")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--qps", default="2,8")
-    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--skip-vllm", action="store_true")
