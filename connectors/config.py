@@ -31,6 +31,10 @@ class ConnectorConfig(BaseModel):
     push_register_timeout_s: float = Field(120.0, gt=0)
     push_recv_timeout_s: float = Field(180.0, gt=0)
     push_quarantine_s: float = Field(10.0, ge=0)
+    # Ask vLLM for one KV tensor whose blocks hold all layers (where the attention backend
+    # allows it): a run of blocks is then one descriptor, not one per layer. Both peers
+    # must agree (the layout check refuses a mix and D recomputes).
+    cross_layer_blocks: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -86,6 +86,14 @@ class KvferryConnector(KVConnectorBase_V1):
                  tuple(first.shape), first.dtype, n)
         self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout)
 
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        return self.cfg.cross_layer_blocks
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any = None) -> None:
+        """vLLM gave one tensor for all layers (it honoured prefer_cross_layer_blocks)."""
+        self.register_kv_caches({"all_layers": kv_cache})
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KvferryMeta) and self._worker is not None:

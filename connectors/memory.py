@@ -152,15 +152,20 @@ class TorchMemoryBackend(MemoryBackend):
             if key not in region_of:
                 region_of[key] = len(regions)
                 regions.append(Region(key, storage.nbytes(), self._device_id(t), self.mem_type))
-            dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+            # Walk dims in memory order (largest stride first): a cross-layer cache
+            # (num_layers, num_blocks, ...) stored block-major becomes ONE plane whose block
+            # holds every layer, so a run of blocks is one descriptor instead of one per layer.
+            es = t.element_size()
+            order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+            shape = [t.shape[d] for d in order]
+            strides = [t.stride(d) * es for d in order]
+            dims = [i for i, n in enumerate(shape) if n == num_blocks]
             if not dims:
                 raise ValueError(f"{name}: no dimension of size num_blocks={num_blocks} in {tuple(t.shape)}")
-            if len(dims) > 1 and any(t.shape[d] == 2 for d in range(dims[1])):
+            if num_blocks == 2 and len(dims) > 1:
                 raise ValueError(f"{name}: block dimension ambiguous in {tuple(t.shape)} "
                                  f"(num_blocks={num_blocks} equals the K/V axis)")
-            es = t.element_size()
-            planes += planes_of_array(region_of[key], t.data_ptr(), list(t.shape),
-                                      [s * es for s in t.stride()], es, dims[0])
+            planes += planes_of_array(region_of[key], t.data_ptr(), shape, strides, es, dims[0])
         return KVLayout(tuple(regions), tuple(planes), num_blocks, block_size)
 
     def _check_device(self, name: str, t: Any) -> None:

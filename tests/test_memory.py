@@ -34,7 +34,8 @@ def test_kv_first_layout_gives_two_dense_planes():
     strides = [10 * 64 * es, 64 * es, 16 * es, 8 * es, es]
     ps = planes_of_array(3, 1000, shape, strides, es, block_dim=1)
     bb = 64 * es
-    assert ps == [Plane(3, 1000, bb, bb, 10), Plane(3, 1000 + 10 * bb, bb, bb, 10)]
+    assert [(p.region, p.base, p.stride, p.block_bytes, p.num_blocks) for p in ps] == [
+        (3, 1000, bb, bb, 10), (3, 1000 + 10 * bb, bb, bb, 10)]
     assert ps[1].block_addr(9) == 1000 + 19 * bb
 
 
@@ -42,7 +43,8 @@ def test_blocks_first_layout_gives_one_plane_holding_k_and_v():
     # (N, 2, bs, heads, dim) float32
     shape, es = (6, 2, 4, 2, 8), 4
     strides = [2 * 64 * es, 64 * es, 16 * es, 8 * es, es]
-    assert planes_of_array(0, 0, shape, strides, es, block_dim=0) == [Plane(0, 0, 128 * es, 128 * es, 6)]
+    (p,) = planes_of_array(0, 0, shape, strides, es, block_dim=0)
+    assert (p.region, p.base, p.stride, p.block_bytes, p.num_blocks) == (0, 0, 128 * es, 128 * es, 6)
 
 
 def test_strided_view_of_blocks_is_one_plane_with_larger_stride():

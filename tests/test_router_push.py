@@ -101,7 +101,8 @@ def test_push_slow_prefill_does_not_hold_decode(
     r = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 200 and time.monotonic() - t0 < 1.3
     assert "kvferry_prefill_ms" not in r.json()  # P had not answered yet
-    assert len(d.received) == 1 and len(p.received) == 1
+    wait_for(lambda: len(p.received) == 1)
+    assert len(d.received) == 1
     # D succeeded, so P's leg is left to finish on its own (not cancelled).
     wait_for(lambda: len(p.answered_at) == 1)
     assert not p.disconnected.is_set()
@@ -150,6 +151,7 @@ def test_mode_header_and_body_field(cluster: Callable[..., Cluster], client: htt
     assert float(r.headers["x-kvferry-prefill-ms"]) >= 0
     r = client.post(url + "/v1/completions", json={**body, "kvferry_mode": "pull"}, headers=PUSH)
     assert r.status_code == 200  # the header wins over the body field
+    wait_for(lambda: len(p.received) == 2)  # P's leg runs in the background
     assert p.received[-1]["kv_transfer_params"]["push"] is True
     assert d.received[-1]["kv_transfer_params"]["remote_port"] == KV_ADDR[1]
     metrics = client.get(url + "/metrics").text
@@ -177,8 +179,11 @@ def test_client_disconnect_during_push_stream_closes_both_legs(
     d.chunks, d.chunk_delay_s = 50, 0.1
     with client.stream("POST", url + "/v1/completions", headers=PUSH,
                        json={"model": "tiny", "prompt": "x", "stream": True}) as r:
-        next(r.iter_bytes())
+        assert r.status_code == 200, r.read()
+        chunks = r.iter_bytes()  # keep a reference: dropping it closes the connection
+        next(chunks)
         assert in_flight(client, url) == [1, 1]
+        assert not p.disconnected.is_set() and not d.stream_closed_early.is_set()
     assert d.stream_closed_early.wait(5)
     assert p.disconnected.wait(5)
     wait_for(lambda: in_flight(client, url) == [0, 0])
