@@ -28,18 +28,34 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
 
 
 def runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(local_start, remote_start, count) runs where both id lists advance together."""
+    """(local_low, remote_low, count): local_low+k pairs with remote_low+k for k < count.
+
+    Both lists may advance together by +1 or by -1: vLLM returns a finished request's
+    blocks to the free queue in reverse order, so reused blocks often come descending.
+    """
     if len(local_ids) != len(remote_ids):
         raise ValueError(f"{len(local_ids)} local blocks vs {len(remote_ids)} remote blocks")
     out: list[tuple[int, int, int]] = []
+    cur: list[int] | None = None  # [first_local, first_remote, count, step]
     for lo, re in zip(local_ids, remote_ids, strict=True):
-        if out:
-            ls, rs, n = out[-1]
-            if lo == ls + n and re == rs + n:
-                out[-1] = (ls, rs, n + 1)
+        if cur is not None:
+            ls, rs, n, step = cur
+            if n == 1 and lo - ls == re - rs and abs(lo - ls) == 1:
+                cur[2], cur[3] = 2, lo - ls
                 continue
-        out.append((lo, re, 1))
+            if n > 1 and lo == ls + n * step and re == rs + n * step:
+                cur[2] += 1
+                continue
+            out.append(_low(cur))
+        cur = [lo, re, 1, 1]
+    if cur is not None:
+        out.append(_low(cur))
     return out
+
+
+def _low(run: list[int]) -> tuple[int, int, int]:
+    ls, rs, n, step = run
+    return (ls, rs, n) if step == 1 else (ls - n + 1, rs - n + 1, n)
 
 
 def _check_ids(layout: KVLayout, ids: Sequence[int], side: str) -> None:

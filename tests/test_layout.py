@@ -34,7 +34,8 @@ def interleaved_layout(n: int, bb: int = 64, base: int = 50_000) -> KVLayout:
     ([1, 2, 3, 7, 8], [4, 5, 6, 0, 1], [(1, 4, 3), (7, 0, 2)]),
     ([1, 2, 3], [7, 8, 10], [(1, 7, 2), (3, 10, 1)]),      # remote breaks the run
     ([1, 2, 4], [7, 8, 9], [(1, 7, 2), (4, 9, 1)]),        # local breaks the run
-    ([3, 2, 1], [3, 2, 1], [(3, 3, 1), (2, 2, 1), (1, 1, 1)]),  # descending never merges
+    ([3, 2, 1], [3, 2, 1], [(1, 1, 3)]),  # descending together: one run (vLLM frees in reverse)
+    ([3, 2, 1], [1, 2, 3], [(3, 1, 1), (2, 2, 1), (1, 3, 1)]),  # opposite directions never merge
     ([1, 1, 2], [5, 6, 7], [(1, 5, 1), (1, 6, 2)]),         # duplicate local id
     ([1, 2, 2], [5, 6, 6], [(1, 5, 2), (2, 6, 1)]),         # duplicate pair
     ([4, 5, 0, 1], [0, 1, 2, 3], [(4, 0, 2), (0, 2, 2)]),  # non-monotonic local
