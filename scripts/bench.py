@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -116,7 +117,8 @@ class PointRun:
 
 
 def git_commit(start: Path | None = None) -> tuple[str | None, bool | None]:
-    """(HEAD, dirty) of the repo holding this package (or the cwd); (None, None) if unknown."""
+    """(HEAD, dirty) of the repo holding this package (or the cwd); else KVFERRY_COMMIT
+    (set where the tree travels without .git, e.g. the GPU machine); (None, None) if unknown."""
     for where in (start or Path(__file__).resolve().parents[1], Path.cwd()):
         try:
             head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], check=True,
@@ -127,7 +129,8 @@ def git_commit(start: Path | None = None) -> tuple[str | None, bool | None]:
             return head, bool(st.strip())
         except (OSError, subprocess.SubprocessError):
             continue
-    return None, None
+    env = os.environ.get("KVFERRY_COMMIT")
+    return (env, None) if env else (None, None)
 
 
 async def resolve_model(client: httpx.AsyncClient, target: Target, served: str | None) -> str | None:
