@@ -8,9 +8,11 @@ make TTFT jump from ~0.2 s to 20-60 s).
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +28,29 @@ from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env
 from kvferry.scripts.procs import Child, stop_all, wait_healthy
 
 STARTUP_S = float(os.environ.get("KVFERRY_TEST_STARTUP_S", "900"))
+
+
+def prompt(n: int, seed: int, vocab: int = 1000) -> list[int]:
+    """Deterministic random token ids (no tokenizer needed)."""
+    rnd = random.Random(seed)
+    return [rnd.randrange(10, vocab) for _ in range(n)]
+
+
+def wait_until(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@contextmanager
+def tiny_stack(tmp_path_factory: Any, extra: dict[str, Any]) -> Iterator[Stack]:
+    """The CPU E2E stack: tiny Qwen3 with generated weights, kvferry on both engines."""
+    from kvferry.scripts.modelgen import write_model
+
+    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=extra) as s:
+        yield s
 
 
 def free_port() -> int:

@@ -7,7 +7,6 @@ itself; the weights are generated deterministically, so both engines hold the sa
 
 from __future__ import annotations
 
-import random
 import signal
 import time
 
@@ -19,11 +18,12 @@ from stack import (
     complete,
     free_port,
     outputs_differ,
-    pd_stack,
+    prompt,
+    tiny_stack,
+    wait_until,
 )
 
 from kvferry.connectors.params import RemotePrefill, prompt_hash, sign
-from kvferry.scripts.modelgen import write_model
 
 pytestmark = pytest.mark.engine
 
@@ -32,15 +32,9 @@ LENGTHS = (3, 127, 128, 129, 700, 2100)
 EXTRA = {"recv_timeout_s": 8, "handshake_timeout_s": 3, "send_timeout_s": 20}
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(10, 1000) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
-    with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=EXTRA) as s:
+    with tiny_stack(tmp_path_factory, EXTRA) as s:
         yield s
 
 
@@ -60,12 +54,6 @@ def forge(params: dict, secret: str, **changes) -> dict:
     fields = {k: v for k, v in params.items() if k in RemotePrefill.__struct_fields__}
     return sign(msgspec.convert({**fields, **changes}, RemotePrefill), secret.encode())
 
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_pd_output_equals_colocated(stack):

@@ -5,15 +5,12 @@ forced deterministically; failures end in a local recompute with blocks freed.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
 
 import pytest
-from stack import assert_same_output, complete, free_port, pd_stack
-
-from kvferry.scripts.modelgen import write_model
+from stack import assert_same_output, complete, free_port, prompt, tiny_stack, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -21,15 +18,9 @@ EXTRA = {"push_hold_timeout_s": 8, "push_register_timeout_s": 8, "push_recv_time
          "push_quarantine_s": 1, "handshake_timeout_s": 3}
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(10, 1000) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
-    with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=EXTRA) as s:
+    with tiny_stack(tmp_path_factory, EXTRA) as s:
         yield s
 
 
@@ -57,12 +48,6 @@ def wait_log(engine, needle: str, timeout: float = 30) -> None:
         assert time.monotonic() < deadline, f"{engine.role} never logged {needle!r}"
         time.sleep(0.1)
 
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def writes(stack, tid: str) -> int:
