@@ -80,11 +80,20 @@ class KvferryConnector(KVConnectorBase_V1):
 
         rank, _ = compat.tp_rank_and_size()
         n = compat.num_blocks(self._vllm_config, self._kv_cache_config)
-        layout = get_backend(self.cfg.hardware_backend).describe(kv_caches, n, self.block_size)
+        backend = get_backend(self.cfg.hardware_backend)
+        if hasattr(backend, "configure"):  # neuron: staging mode from the extra config
+            backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
+        if self.cfg.hardware_backend == "neuron":
+            from kvferry.neuron.envcheck import init_order
+
+            init_order()  # the Neuron runtime must be up before libfabric loads (FI_HMEM_NEURON)
+        layout = backend.describe(kv_caches, n, self.block_size)
         first = next(iter(kv_caches.values()))
         log.info("kvferry: %d KV tensors like %s %s; %d blocks", len(kv_caches),
-                 tuple(first.shape), first.dtype, n)
-        self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout)
+                 tuple(first.shape), getattr(first, "dtype", "?"), n)
+        nixl = self.cfg.nixl_backends or list(getattr(backend, "nixl_backends",
+                                                      backend.default_nixl_backends))
+        self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout, nixl)
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:

@@ -48,11 +48,12 @@ class _Read:
 
 
 class TransferWorker:
-    def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int, layout: KVLayout):
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int, layout: KVLayout,
+                 nixl_backends: list[str] | None = None):
         self.cfg = cfg
         self.engine_id = engine_id
         self.rank = rank
-        self.transport = Transport(layout, cfg.transport_backends(),
+        self.transport = Transport(layout, nixl_backends or cfg.transport_backends(),
                                    name=f"kvferry-{engine_id}-r{rank}")
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
             "engine_id": engine_id, "rank": rank,
