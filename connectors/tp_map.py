@@ -1,0 +1,62 @@
+"""Which P rank serves which KV heads of which D rank, when P and D differ in TP size.
+
+With TP size t and H KV heads, rank r holds heads [r*H/t, (r+1)*H/t) when t <= H, and
+one head, replicated over t/H ranks, when t > H (vLLM's layout). A D rank needs its own
+heads; each of them is taken from exactly one P rank that holds it, spreading replicas
+over D ranks so no P rank serves every read. The same plan drives both directions: in
+pull the D rank READs these segments, in push exactly these P ranks WRITE them, and D
+waits for the notification of every P rank in `writers(d_rank)`. Pure and exhaustively
+tested; wiring it into the transport (per-head sub-block descriptors) is future work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``count`` consecutive heads: P rank ``p_rank``'s local heads from ``p_start`` go to
+    the D rank's local heads from ``d_start``."""
+
+    p_rank: int
+    p_start: int
+    d_start: int
+    count: int
+
+
+def heads_of(rank: int, tp: int, num_heads: int) -> range:
+    """Global KV heads held by ``rank`` of a TP group of size ``tp``."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside TP size {tp}")
+    if tp <= num_heads:
+        if num_heads % tp:
+            raise ValueError(f"{num_heads} KV heads do not split over TP {tp}")
+        n = num_heads // tp
+        return range(rank * n, (rank + 1) * n)
+    if tp % num_heads:
+        raise ValueError(f"TP {tp} is not a multiple of {num_heads} KV heads")
+    h = rank // (tp // num_heads)
+    return range(h, h + 1)
+
+
+def plan(num_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[Segment]:
+    """Segments D rank ``d_rank`` needs, in its local head order."""
+    want = heads_of(d_rank, d_tp, num_heads)
+    segs: list[Segment] = []
+    for i, h in enumerate(want):
+        holders = [p for p in range(p_tp) if h in heads_of(p, p_tp, num_heads)]
+        p = holders[d_rank % len(holders)]
+        p_local = h - heads_of(p, p_tp, num_heads).start
+        last = segs[-1] if segs else None
+        if last and last.p_rank == p and last.p_start + last.count == p_local \
+                and last.d_start + last.count == i:
+            segs[-1] = Segment(p, last.p_start, last.d_start, last.count + 1)
+        else:
+            segs.append(Segment(p, p_local, i, 1))
+    return segs
+
+
+def writers(num_heads: int, p_tp: int, d_tp: int, d_rank: int) -> set[int]:
+    """P ranks whose WRITE completion D rank ``d_rank`` must see before decoding."""
+    return {s.p_rank for s in plan(num_heads, p_tp, d_tp, d_rank)}
