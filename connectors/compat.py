@@ -36,10 +36,10 @@ def request_blocks(blocks: Any) -> list[int]:
     return first_group(blocks.get_block_ids())
 
 
-def tp_rank_and_size() -> tuple[int, int]:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+def tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-    return get_tensor_model_parallel_rank(), get_tp_group().world_size
+    return get_tensor_model_parallel_rank()
 
 
 def num_blocks(vllm_config: Any, kv_cache_config: Any) -> int:

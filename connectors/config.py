@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvferry.connectors.memory import HARDWARE_BACKENDS, get_backend
+from kvferry.connectors.memory import HARDWARE_BACKENDS, MemoryBackend, get_backend
 
 
 class ConnectorConfig(BaseModel):
@@ -43,7 +43,10 @@ class ConnectorConfig(BaseModel):
             raise ValueError(f"unknown hardware_backend {cfg.hardware_backend}")
         return cfg
 
-    def transport_backends(self) -> list[str]:
+    def transport_backends(self, backend: MemoryBackend | None = None) -> list[str]:
+        """Explicit ``nixl_backends``, else what the (configured) memory backend chose:
+        a Neuron backend that fell back to host staging switches LIBFABRIC -> UCX."""
         if self.nixl_backends:
             return list(self.nixl_backends)
-        return list(get_backend(self.hardware_backend).default_nixl_backends)
+        backend = backend or get_backend(self.hardware_backend)
+        return list(getattr(backend, "nixl_backends", backend.default_nixl_backends))

@@ -78,7 +78,7 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from kvferry.connectors.worker import TransferWorker
 
-        rank, _ = compat.tp_rank_and_size()
+        rank = compat.tp_rank()
         n = compat.num_blocks(self._vllm_config, self._kv_cache_config)
         backend = get_backend(self.cfg.hardware_backend)
         if hasattr(backend, "configure"):  # neuron: staging mode from the extra config
@@ -91,9 +91,8 @@ class KvferryConnector(KVConnectorBase_V1):
         first = next(iter(kv_caches.values()))
         log.info("kvferry: %d KV tensors like %s %s; %d blocks", len(kv_caches),
                  tuple(first.shape), getattr(first, "dtype", "?"), n)
-        nixl = self.cfg.nixl_backends or list(getattr(backend, "nixl_backends",
-                                                      backend.default_nixl_backends))
-        self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout, nixl)
+        self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout,
+                                      self.cfg.transport_backends(backend))
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:

@@ -46,12 +46,6 @@ def cluster() -> Iterator[Callable[..., Cluster]]:
         yield make
 
 
-@pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(trust_env=False, timeout=20) as c:
-        yield c
-
-
 def test_pull_completions_bodies(cluster: Callable[..., Cluster], client: httpx.Client) -> None:
     url, (p,), (d,) = cluster()
     body = {

@@ -42,12 +42,6 @@ def cluster() -> Iterator[Callable[..., Cluster]]:
         yield make
 
 
-@pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(trust_env=False, timeout=20) as c:
-        yield c
-
-
 def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
