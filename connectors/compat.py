@@ -45,3 +45,11 @@ def tp_rank() -> int:
 def num_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
     n = getattr(kv_cache_config, "num_blocks", None)
     return int(n if n else vllm_config.cache_config.num_gpu_blocks)
+
+
+def all_tokens(request: Any) -> list[int]:
+    """Prompt + generated token ids of a request (both versions expose all_token_ids)."""
+    toks = getattr(request, "all_token_ids", None)
+    if toks is None:
+        toks = list(request.prompt_token_ids or []) + list(getattr(request, "output_token_ids", []))
+    return list(toks)

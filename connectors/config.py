@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvferry.connectors.memory import HARDWARE_BACKENDS, MemoryBackend, get_backend
 
@@ -35,6 +35,33 @@ class ConnectorConfig(BaseModel):
     # allows it): a run of blocks is then one descriptor, not one per layer. Both peers
     # must agree (the layout check refuses a mix and D recomputes).
     cross_layer_blocks: bool = True
+    # Bidirectional reuse. D: a finished turn the router marked keeps its blocks under a
+    # lease for this long (renewable by heartbeats up to lease_max_lifetime_s); leases
+    # hold at most lease_max_fraction of the KV cache and yield (LRU) to live requests.
+    decoder_kv_blocks_ttl: float = Field(480.0, gt=0)
+    lease_max_lifetime_s: float = Field(3600.0, gt=0)
+    lease_max_fraction: float = Field(0.5, gt=0, le=1)
+    # Lease control channel (router -> D); default side_channel_port + 50.
+    lease_control_port: int | None = Field(None, ge=1, le=65535)
+    # P: read D's history only if at least this many tokens would be reused, only from a
+    # lease that outlives now + lease_margin_s, and give up a READ after
+    # reuse_read_timeout_s; D frees an ended lease's blocks lease_free_grace_s later.
+    kv_recompute_threshold: int = Field(64, ge=1)
+    lease_margin_s: float = Field(2.0, gt=0)
+    reuse_read_timeout_s: float = Field(1.5, gt=0)
+    lease_free_grace_s: float = Field(3.0, gt=0)
+
+    @model_validator(mode="after")
+    def _lease_timing(self) -> ConnectorConfig:
+        if not self.reuse_read_timeout_s < self.lease_margin_s:
+            raise ValueError("reuse_read_timeout_s must be < lease_margin_s (READs end before leases)")
+        if not self.reuse_read_timeout_s < self.lease_free_grace_s:
+            raise ValueError("lease_free_grace_s must exceed reuse_read_timeout_s")
+        return self
+
+    @property
+    def control_port(self) -> int:
+        return self.lease_control_port or self.side_channel_port + 50
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -18,7 +18,7 @@ from kvferry.connectors import compat
 from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory import get_backend
-from kvferry.connectors.scheduler import StepMeta, TransferScheduler
+from kvferry.connectors.scheduler import ReuseSettings, StepMeta, TransferScheduler
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -38,10 +38,38 @@ class KvferryConnector(KVConnectorBase_V1):
         self._sched: TransferScheduler | None = None
         self._worker = None
         self._bad_blocks: set[int] = set()
+        self._control = None
+        # Boot id: tells a restarted engine (same engine id, different blocks) apart.
+        self.instance = str(getattr(vllm_config, "instance_id", "") or id(self))
         if role == KVConnectorRole.SCHEDULER:
             tp = vllm_config.parallel_config.tensor_parallel_size
-            self._sched = TransferScheduler(self.engine_id, self.cfg.side_channel_host,
-                                        self.cfg.side_channel_port, self.block_size, tp)
+            cfg = self.cfg
+            self._sched = TransferScheduler(
+                self.engine_id, cfg.side_channel_host, cfg.side_channel_port, self.block_size, tp,
+                leases=self._lease_keeper(vllm_config, kv_cache_config, tp),
+                reuse=ReuseSettings(cfg.kv_recompute_threshold, cfg.lease_margin_s,
+                                    cfg.reuse_read_timeout_s))
+
+    def _lease_keeper(self, vllm_config: Any, kv_cache_config: Any, tp: int) -> Any:
+        """D's leases (bidirectional reuse) and the router's control channel onto them."""
+        from kvferry.connectors.lease_control import ControlServer
+        from kvferry.connectors.lease_keeper import LeaseKeeper
+
+        cfg = self.cfg
+        try:
+            max_blocks = int(compat.num_blocks(vllm_config, kv_cache_config) * cfg.lease_max_fraction)
+        except Exception:  # block count unknown yet: bounded by TTL only
+            max_blocks = None
+        keeper = LeaseKeeper(self.engine_id, self.instance, cfg.side_channel_host,
+                             cfg.side_channel_port, self.block_size, tp,
+                             ttl=cfg.decoder_kv_blocks_ttl, max_lifetime=cfg.lease_max_lifetime_s,
+                             max_blocks=max_blocks or None, free_grace=cfg.lease_free_grace_s)
+        try:
+            self._control = ControlServer(keeper, cfg.side_channel_host, cfg.control_port)
+        except Exception as e:  # leases still end by TTL; the router cannot renew/release
+            log.warning("kvferry: lease control channel on port %d unavailable: %s",
+                        cfg.control_port, e)
+        return keeper
 
     # -- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
@@ -56,23 +84,34 @@ class KvferryConnector(KVConnectorBase_V1):
             # One READ attempt per request: after a failed READ vLLM reschedules it, and
             # it must then recompute instead of asking the same (dead) peer again.
             params["do_remote_prefill"] = False
+        if isinstance(params, dict) and params.get("reuse") is not None and num_external_tokens > 0:
+            params["reuse"] = None  # one reuse READ attempt, likewise
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KvferryMeta(self._sched.take_meta())
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.worker_done(set(connector_output.finished_sending or ()),
-                                set(connector_output.finished_recving or ()))
+                                set(connector_output.finished_recving or ()),
+                                set(getattr(connector_output, "invalid_block_ids", None) or ()))
 
     def request_finished(self, request: Any, block_ids: Any):
         params = request.kv_transfer_params
         return self._sched.finished(
             request.request_id, request.status in compat.FINISHED_OK,
             compat.first_group(block_ids), params, request.prompt_token_ids or [],
+            tokens=compat.all_tokens(request), num_computed=request.num_computed_tokens,
         )
 
     def has_pending_block_frees(self) -> bool:
-        return bool(self._sched and self._sched.waiting_send)
+        """Asked when allocation fails: P's sends will free blocks, and D's leases yield
+        (least recently used first) to live requests rather than forcing preemption."""
+        if self._sched is None:
+            return False
+        if self._sched.waiting_send:
+            return True
+        leases = self._sched.leases
+        return bool(leases is not None and leases.evict_for_pressure())
 
     # -- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -92,7 +131,7 @@ class KvferryConnector(KVConnectorBase_V1):
         log.info("kvferry: %d KV tensors like %s %s; %d blocks", len(kv_caches),
                  tuple(first.shape), getattr(first, "dtype", "?"), n)
         self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout,
-                                      self.cfg.transport_backends(backend))
+                                      self.cfg.transport_backends(backend), self.instance)
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
@@ -128,6 +167,9 @@ class KvferryConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None

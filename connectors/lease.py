@@ -94,8 +94,11 @@ class LeaseTable:
     # -- operations -----------------------------------------------------------------
 
     def grant(self, lease_id: str, req_id: str, block_ids: Sequence[int], num_tokens: int,
-              prefix_hashes: Sequence[str], now: float) -> tuple[float, list[FreeBlocks]]:
+              prefix_hashes: Sequence[str], now: float, ttl: float | None = None
+              ) -> tuple[float, list[FreeBlocks]]:
         """Lease ``block_ids`` after a turn. Returns (expiry, leases evicted to make room).
+
+        ``ttl`` (at most the table's) shortens this lease's first term.
 
         Raises LeaseError without side effects if the lease cannot be held; the caller
         still owns and frees the blocks then.
@@ -114,7 +117,7 @@ class LeaseTable:
             freed += self._make_room(lease_id, len(blocks))
         deadline = now + self.max_lifetime
         view = Lease(lease_id, req_id, blocks, num_tokens, tuple(prefix_hashes), now,
-                     min(now + self.ttl, deadline), deadline)
+                     min(now + min(self.ttl, ttl or self.ttl), deadline), deadline)
         self._held[lease_id] = _Held(view)
         self._num_blocks += len(blocks)
         return view.expiry, freed

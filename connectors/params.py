@@ -101,3 +101,54 @@ def parse_offer(params: Mapping[str, Any], key: bytes | None = None) -> RemotePr
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+class LeaseOffer(msgspec.Struct, forbid_unknown_fields=False):
+    """D's lease on a finished turn's KV: what P may READ on the next turn.
+
+    Signed like `RemotePrefill` (the router relays it; a client can never choose blocks).
+    ``instance`` is D's boot id: a restarted D (same engine id, other blocks) is refused.
+    ``expiry`` is wall-clock (``time.time()``) on D.
+    """
+
+    engine_id: str
+    instance: str
+    host: str
+    port: int
+    lease_id: str
+    block_ids: list[int]
+    block_size: int
+    num_tokens: int
+    block_hashes: list[str]
+    expiry: float
+    tp_size: int = 1
+
+
+def sign_lease(offer: LeaseOffer, key: bytes | None = None) -> dict[str, Any]:
+    body = msgspec.to_builtins(offer)
+    body[SIG] = _mac(offer, secret() if key is None else key)
+    return body
+
+
+def parse_lease(params: Any, key: bytes | None = None) -> LeaseOffer:
+    """Validate a relayed lease offer; raises InvalidParams with the reason."""
+    if not isinstance(params, Mapping):
+        raise InvalidParams("reuse offer must be an object")
+    sig = params.get(SIG)
+    k = secret() if key is None else key
+    if not k:
+        raise InvalidParams(f"{SECRET_ENV} is not set on this engine: offers cannot be verified")
+    if not isinstance(sig, str) or len(sig) != 64 or not sig.isascii():
+        raise InvalidParams("reuse offer is not signed by a kvferry decode engine")
+    try:
+        offer = msgspec.convert({f: v for f, v in params.items() if f in LeaseOffer.__struct_fields__},
+                                LeaseOffer)
+    except msgspec.ValidationError as e:
+        raise InvalidParams(f"malformed reuse offer: {e}") from e
+    if not hmac.compare_digest(sig, _mac(offer, k)):
+        raise InvalidParams("reuse offer signature does not match")
+    if any(b < 0 for b in offer.block_ids) or offer.block_size <= 0 or offer.num_tokens < 0:
+        raise InvalidParams("reuse offer has negative ids or sizes")
+    if offer.tp_size < 1 or not 0 < offer.port < 65536:
+        raise InvalidParams("reuse offer has an invalid tp size or port")
+    return offer

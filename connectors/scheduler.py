@@ -8,18 +8,22 @@ workers each step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.connectors.params import (
     InvalidParams,
+    LeaseOffer,
     RemotePrefill,
     blocks_needed,
+    parse_lease,
     parse_offer,
     prompt_hash,
     sign,
 )
+from kvferry.connectors.reuse import Decision, RemoteOffer, decide_reuse
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -61,6 +65,27 @@ class PushSend:
 
 
 @dataclass
+class ReuseRead:
+    """Bidirectional, P: READ D's leased history blocks before computing the rest."""
+
+    req_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    engine_id: str
+    instance: str  # D's boot id: a restarted D's blocks are never read
+    host: str
+    port: int
+    deadline: float  # wall clock: abandon (and recompute) after this
+
+
+@dataclass
+class ReuseSettings:
+    threshold: int = 64  # kv_recompute_threshold
+    margin_s: float = 2.0
+    read_timeout_s: float = 1.5
+
+
+@dataclass
 class StepMeta:
     """Scheduler -> workers, once per engine step."""
 
@@ -70,6 +95,8 @@ class StepMeta:
     push_send: list[PushSend] = field(default_factory=list)  # push, P
     push_abort_p: list[str] = field(default_factory=list)  # push, P: transfer ids cancelled
     push_abort_d: list[str] = field(default_factory=list)  # push, D: transfer ids cancelled
+    reuse: list[ReuseRead] = field(default_factory=list)  # bidirectional, P
+    free: list[str] = field(default_factory=list)  # D: request ids whose lease ended
 
     def has_push(self) -> bool:
         return bool(self.register or self.push_send or self.push_abort_p or self.push_abort_d)
@@ -95,7 +122,8 @@ class _Pending:
 class TransferScheduler:
     """Scheduler-side state of one engine, for pull and push (P and D roles alike)."""
 
-    def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int = 1):
+    def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int = 1,
+                 leases: Any = None, reuse: ReuseSettings | None = None, clock: Any = time.time):
         self.engine_id = engine_id
         self.host = host
         self.port = port
@@ -107,11 +135,57 @@ class TransferScheduler:
         self._push: dict[str, _PushPending] = {}  # D: push requests before allocation
         self.push_waiting: dict[str, str] = {}  # D: req id -> transfer id awaiting P's WRITE
         self.waiting_send: set[str] = set()  # P: delayed-free requests not yet reported
+        self.leases = leases  # D: LeaseKeeper (bidirectional reuse), or None
+        self.reuse_settings = reuse or ReuseSettings()
+        self.clock = clock
+        self._reuse: dict[str, tuple[LeaseOffer, Decision]] = {}  # P: before allocation
+        self._reading: dict[str, tuple[int, set[int]]] = {}  # P: reuse READs in flight
+        self._reuse_out: dict[str, dict[str, Any]] = {}  # P: what reuse did, per request
+
+    # -- P side: bidirectional reuse ----------------------------------------------------
+    def _reuse_matched(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any],
+                       num_computed: int) -> tuple[int, bool]:
+        """Tokens of D's leased history P will READ (async) beyond its own prefix hit."""
+        self._reuse.pop(req_id, None)
+        try:
+            offer = parse_lease(params["reuse"])
+            if offer.tp_size != self.tp_size:
+                raise InvalidParams(f"decode TP {offer.tp_size} != prefill TP {self.tp_size}")
+            if offer.block_size != self.block_size:
+                raise InvalidParams(f"decode block size {offer.block_size} != {self.block_size}")
+        except InvalidParams as e:
+            log.warning("request %s: not reusing decode's KV: %s", req_id, e)
+            self._reuse_out[req_id] = {"reused_tokens": 0, "reuse_reason": "invalid_offer"}
+            return 0, False
+        remote = RemoteOffer(offer.lease_id, offer.num_tokens, offer.block_ids,
+                             offer.block_hashes, offer.block_size, offer.expiry, offer.engine_id)
+        rs = self.reuse_settings
+        dec = decide_reuse(prompt, num_computed, remote, self.clock(), block_size=self.block_size,
+                           recompute_threshold=rs.threshold, lease_margin=rs.margin_s)
+        self._reuse_out[req_id] = {"reused_tokens": 0, "reuse_reason": dec.reason}
+        if not dec.read:
+            return 0, False
+        self._reuse[req_id] = (offer, dec)
+        return dec.tokens_to_read, True
+
+    def _reuse_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
+        offer, dec = self._reuse.pop(req_id)
+        lo, hi = dec.local_block_range
+        local = list(block_ids[lo:hi])
+        if num_external <= 0 or len(local) != len(dec.remote_block_ids):
+            self._reuse_out[req_id] = {"reused_tokens": 0, "reuse_reason": "not_allocated"}
+            return
+        self._meta.reuse.append(ReuseRead(
+            req_id, local, list(dec.remote_block_ids), offer.engine_id, offer.instance,
+            offer.host, offer.port, self.clock() + self.reuse_settings.read_timeout_s))
+        self._reading[req_id] = (dec.tokens_to_read, set(local))
 
     # -- D side ------------------------------------------------------------------------
     def matched_tokens(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any] | None,
                        num_computed: int) -> tuple[int, bool]:
         """Tokens D will load from P (async) beyond its own prefix-cache hit."""
+        if params and params.get("reuse") is not None and not params.get("do_remote_prefill"):
+            return self._reuse_matched(req_id, prompt, params, num_computed)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if params.get("push"):
@@ -164,6 +238,9 @@ class TransferScheduler:
 
     def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         """Blocks exist for the request: queue the READ (or a release if nothing to read)."""
+        if req_id in self._reuse:
+            self._reuse_alloc(req_id, block_ids, num_external)
+            return
         push = self._push.pop(req_id, None)
         if push is not None:
             hit = push.local_hit_tokens // self.block_size
@@ -198,9 +275,14 @@ class TransferScheduler:
 
     # -- both sides --------------------------------------------------------------------
     def finished(self, req_id: str, ok: bool, block_ids: Sequence[int], params: Mapping[str, Any] | None,
-                 prompt: Sequence[int], transfer_id: str = "") -> tuple[bool, dict[str, Any] | None]:
-        """P: keep a finished prefill's blocks for D and publish the signed offer."""
+                 prompt: Sequence[int], transfer_id: str = "", tokens: Sequence[int] = (),
+                 num_computed: int = 0) -> tuple[bool, dict[str, Any] | None]:
+        """P: keep a finished prefill's blocks for D and publish the signed offer.
+        D: keep a finished turn's blocks under a lease when the router asked for one."""
         self._rejected.pop(req_id, None)
+        self._reuse.pop(req_id, None)
+        self._reading.pop(req_id, None)
+        reuse_out = self._reuse_out.pop(req_id, {})
         push = self._push.pop(req_id, None)
         if push is not None:  # D push request ended before allocation: P may free
             self._meta.push_abort_d.append(push.transfer_id)
@@ -213,6 +295,12 @@ class TransferScheduler:
             self._meta.recv.append(RecvTask(req_id, [], [], pend.offer, release_only=True))
         # A D request aborted mid-READ needs nothing here: vLLM keeps its blocks until the
         # worker reports the READ finished (done or failed).
+        if params and params.get("lease") is not None and not params.get("do_remote_decode"):
+            if ok and block_ids and self.leases is not None:
+                lease = self.leases.grant(req_id, params["lease"], block_ids, tokens, num_computed)
+                if lease is not None:
+                    return True, {"lease": lease}
+            return False, None
         if not params or not params.get("do_remote_decode"):
             return False, None
         if params.get("push"):
@@ -224,7 +312,7 @@ class TransferScheduler:
             self._meta.push_send.append(PushSend(req_id, tid, list(block_ids), len(prompt),
                                                  prompt_hash(prompt)))
             self.waiting_send.add(req_id)
-            return True, {"transfer_id": tid, "push": True}
+            return True, {"transfer_id": tid, "push": True, **reuse_out}
         if not ok or not block_ids:
             return False, None
         offer = RemotePrefill(
@@ -235,14 +323,24 @@ class TransferScheduler:
         )
         self._meta.send.append(req_id)
         self.waiting_send.add(req_id)
-        return True, sign(offer)
+        return True, {**sign(offer), **reuse_out}
 
-    def worker_done(self, sent: set[str], recvd: set[str] = frozenset()) -> None:
-        """Workers reported finished sends (P's blocks free) and receives (D)."""
+    def worker_done(self, sent: set[str], recvd: set[str] = frozenset(),
+                    invalid_blocks: set[int] = frozenset()) -> None:
+        """Workers reported finished sends (P's blocks free) and receives (D, or P's reuse
+        READs; ``invalid_blocks`` are blocks whose load failed)."""
         self.waiting_send -= sent
         for req_id in recvd:
             self.push_waiting.pop(req_id, None)
+            reading = self._reading.pop(req_id, None)
+            if reading is not None and req_id in self._reuse_out:
+                n, local = reading
+                ok = not (local & invalid_blocks)
+                self._reuse_out[req_id] = {"reused_tokens": n if ok else 0,
+                                           "reuse_reason": "ok" if ok else "read_failed"}
 
     def take_meta(self) -> StepMeta:
         meta, self._meta = self._meta, StepMeta()
+        if self.leases is not None:
+            meta.free = self.leases.due_frees()
         return meta

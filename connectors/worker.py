@@ -25,7 +25,7 @@ from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
 from kvferry.connectors.memory import KVLayout
 from kvferry.connectors.push_worker import PushEndpoint
-from kvferry.connectors.scheduler import RecvTask, StepMeta
+from kvferry.connectors.scheduler import RecvTask, ReuseRead, StepMeta
 from kvferry.connectors.transport import Peer, Transfer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -41,22 +41,25 @@ class _Results:
 
 @dataclass
 class _Read:
-    task: RecvTask
+    task: RecvTask | ReuseRead
     xfer: Transfer
     deadline: float
     started: float
+    peer_key: str
+    strict: bool = False  # reuse: a READ that ends after its deadline counts as failed
 
 
 class TransferWorker:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int, layout: KVLayout,
-                 nixl_backends: list[str] | None = None):
+                 nixl_backends: list[str] | None = None, instance: str = ""):
         self.cfg = cfg
         self.engine_id = engine_id
         self.rank = rank
+        self.instance = instance
         self.transport = Transport(layout, nixl_backends or cfg.transport_backends(),
                                    name=f"kvferry-{engine_id}-r{rank}")
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
-            "engine_id": engine_id, "rank": rank,
+            "engine_id": engine_id, "rank": rank, "instance": instance,
             "metadata": self.transport.metadata(), "layout": layout.to_wire(),
         })
         self._inbox: queue.Queue[StepMeta] = queue.Queue()
@@ -68,6 +71,7 @@ class TransferWorker:
         self._send_wait: dict[str, float] = {}
         self._early: dict[str, float] = {}
         self._addr_engine: dict[str, str] = {}
+        self._instances: dict[str, str] = {}  # peer key -> the peer's boot id
         self.push = PushEndpoint(self)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-xfer-r{rank}", daemon=True)
         self._thread.start()
@@ -76,7 +80,7 @@ class TransferWorker:
 
     # -- engine thread -----------------------------------------------------------------
     def submit(self, meta: StepMeta) -> None:
-        if meta.recv or meta.send or meta.has_push():
+        if meta.recv or meta.send or meta.reuse or meta.free or meta.has_push():
             self._inbox.put(meta)
 
     def results(self) -> _Results:
@@ -110,6 +114,10 @@ class TransferWorker:
                 self._send_wait[req_id] = now + self.cfg.send_timeout_s
         for task in meta.recv:
             self._start_read(task, now)
+        for rr in meta.reuse:
+            self._start_reuse(rr, now)
+        if meta.free:  # D: leases ended; vLLM frees these requests' blocks
+            self.report(sent=set(meta.free))
         self.push.accept(meta, now)
 
     def peer_at(self, host: str, port: int, engine_id: str | None = None) -> tuple[str, Peer]:
@@ -127,6 +135,7 @@ class TransferWorker:
             raise HandshakeError(f"{host}:{port} is engine {found!r}, expected {engine_id!r}")
         peer = self.transport.add_peer(key, info["metadata"], KVLayout.from_wire(info["layout"]))
         self._addr_engine[key] = found
+        self._instances[key] = str(info.get("instance", ""))
         return found, peer
 
     def drop_peer(self, host: str, port: int, engine_id: str | None = None) -> None:
@@ -159,7 +168,31 @@ class TransferWorker:
                 self._release(peer, notif)  # bad ids, good peer: let P free now
             self._fail(task)
             return
-        self._reads[task.req_id] = _Read(task, xfer, now + self.cfg.recv_timeout_s, now)
+        self._reads[task.req_id] = _Read(task, xfer, now + self.cfg.recv_timeout_s, now,
+                                         f"{task.offer.remote_engine_id}/{self.rank}")
+
+    def _start_reuse(self, rr: ReuseRead, now: float) -> None:
+        """P: READ D's leased blocks; any failure means recompute, never a wrong answer."""
+        key = f"{rr.engine_id}/{self.rank}"
+        try:
+            _, peer = self.peer_at(rr.host, rr.port, rr.engine_id)
+            if self._instances.get(key) != rr.instance:  # D restarted since we met it?
+                self.drop_peer(rr.host, rr.port, rr.engine_id)
+                _, peer = self.peer_at(rr.host, rr.port, rr.engine_id)
+                if self._instances.get(key) != rr.instance:
+                    raise HandshakeError("the lease belongs to an earlier run of that engine")
+            budget = rr.deadline - time.time()
+            if budget <= 0:
+                raise TimeoutError("lease read deadline already passed")
+            xfer = self.transport.start("READ", peer, rr.local_block_ids, rr.remote_block_ids)
+        except Exception as e:
+            log.warning("request %s: reuse READ from %s not started (%s); recomputing",
+                        rr.req_id, rr.engine_id, e)
+            if not isinstance(e, ValueError | IndexError | TimeoutError):
+                self.transport.drop_peer(key)
+            self.report(recvd={rr.req_id}, bad_blocks=rr.local_block_ids)
+            return
+        self._reads[rr.req_id] = _Read(rr, xfer, now + budget, now, key, strict=True)
 
     def _progress(self) -> None:
         now = time.monotonic()
@@ -168,17 +201,18 @@ class TransferWorker:
             if state == "PROC" and now < rd.deadline:
                 continue
             del self._reads[req_id]
-            if state == "DONE":
-                log.info("kvferry READ %s: %d blocks, %d B in %d descriptors, %.1f ms", req_id,
+            if state == "DONE" and not (rd.strict and now > rd.deadline):
+                log.info("kvferry %s %s: %d blocks, %d B in %d descriptors, %.1f ms",
+                         "reuse READ" if rd.strict else "READ", req_id,
                          len(rd.task.local_block_ids), rd.xfer.nbytes, rd.xfer.ndesc,
                          (now - rd.started) * 1e3)
                 self.report(recvd={req_id})
             else:
                 log.warning("request %s: READ %s; recomputing", req_id,
-                            "timed out" if state == "PROC" else "failed")
+                            "failed" if state == "ERR" else "timed out")
                 self.transport.release(rd.xfer)
-                self.transport.drop_peer(f"{rd.task.offer.remote_engine_id}/{self.rank}")
-                self._fail(rd.task)
+                self.transport.drop_peer(rd.peer_key)
+                self.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)
         for blob in self.transport.notifications():
             msg = messages.decode(blob)
             if isinstance(msg, messages.Done):

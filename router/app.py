@@ -21,7 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvferry.connectors.params import secret
+
 from . import bodies
+from .conversations import Conversations
 from .errors import RouterError, error_body, from_status, from_transport
 from .flow import HDR_DECODE, FlowContext, forward_headers, run_request
 from .metrics import RouterMetrics
@@ -43,12 +46,17 @@ def resolve_mode(settings: RouterSettings, header: str | None, body: dict[str, A
     return raw  # type: ignore[return-value]
 
 
-def create_app(settings: RouterSettings) -> FastAPI:
-    """Build a router app; the httpx client lives for the app's lifespan."""
+def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> FastAPI:
+    """Build a router app; the httpx client lives for the app's lifespan.
+
+    ``secret_key`` (default: KVFERRY_SECRET) signs lease-control requests to the decode
+    engines and salts tenant ids.
+    """
     metrics = RouterMetrics()
     prefill = UpstreamPool("prefill", settings.prefill_urls, metrics.in_flight)
     decode = UpstreamPool("decode", settings.decode_urls, metrics.in_flight)
     holder: dict[str, FlowContext] = {}
+    conversations = Conversations(settings, metrics, secret() if secret_key is None else secret_key)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -58,8 +66,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
         )
         # trust_env=False: proxy variables must never divert engine traffic.
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-            holder["ctx"] = FlowContext(client, settings, prefill, decode, metrics)
+            holder["ctx"] = FlowContext(client, settings, prefill, decode, metrics,
+                                        conversations=conversations)
             yield
+            await conversations.close()
             pending = list(holder["ctx"].background)
             for task in pending:
                 task.cancel()
@@ -148,11 +158,41 @@ def create_app(settings: RouterSettings) -> FastAPI:
         out["status"] = "ok" if ok else "degraded"
         return JSONResponse(out, status_code=200 if ok else 503)
 
+    @app.get("/v1/kvferry/conversations/{conversation_id}")
+    async def conversation(conversation_id: str, request: Request) -> JSONResponse:
+        """Where the conversation's KV is leased (this API key's conversations only)."""
+        _, entry = conversations.lookup(conversation_id, request.headers)
+        if entry is None:
+            return JSONResponse(error_body("no live lease for this conversation", 404,
+                                           "not_found_error"), status_code=404)
+        return JSONResponse(_entry_json(entry))
+
+    @app.post("/v1/kvferry/conversations/{conversation_id}/heartbeat")
+    async def heartbeat(conversation_id: str, request: Request, ttl: float | None = None
+                        ) -> JSONResponse:
+        """The conversation is still active: renew its lease on D."""
+        entry = await conversations.heartbeat(conversation_id, request.headers, ttl)
+        if entry is None:
+            return JSONResponse(error_body("no live lease for this conversation", 404,
+                                           "not_found_error"), status_code=404)
+        return JSONResponse(_entry_json(entry))
+
+    @app.delete("/v1/kvferry/conversations/{conversation_id}")
+    async def end_conversation(conversation_id: str, request: Request) -> JSONResponse:
+        """End of conversation: D frees its blocks now instead of at lease expiry."""
+        return JSONResponse({"released": await conversations.end(conversation_id,
+                                                                 request.headers)})
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _entry_json(entry: Any) -> dict[str, Any]:
+    return {"decode": entry.decode_url, "engine_id": entry.engine_id, "lease_id": entry.lease_id,
+            "expiry": entry.expiry, "num_tokens": entry.num_tokens}
 
 
 def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-ROUTER_FIELDS = ("kv_transfer_params", "kvferry_mode", "conversation_id")
+ROUTER_FIELDS = ("kv_transfer_params", "kvferry_mode", "conversation_id", "session_id")
 """Body fields the router consumes and never forwards."""
 
 PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "n", "best_of",

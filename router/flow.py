@@ -45,6 +45,7 @@ import httpx
 from starlette.responses import Response
 
 from . import bodies
+from .conversations import Conversations, Turn
 from .errors import RouterError, from_status, from_transport
 from .metrics import RouterMetrics
 from .settings import Mode, RouterSettings
@@ -60,7 +61,10 @@ HDR_PREFILL = "x-kvferry-prefill"
 HDR_DECODE = "x-kvferry-decode"
 HDR_TRANSFER = "x-kvferry-transfer-id"
 HDR_PREFILL_MS = "x-kvferry-prefill-ms"
+HDR_REUSED = "x-kvferry-reused-tokens"
 BODY_PREFILL_MS = "kvferry_prefill_ms"
+BODY_REUSED = "kvferry_reused_tokens"
+REUSE_REPORT = ("reused_tokens", "reuse_reason")
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -74,6 +78,7 @@ class FlowContext:
     decode: UpstreamPool
     metrics: RouterMetrics
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    conversations: Conversations | None = None
 
     def timeout(self, leg: str) -> httpx.Timeout:
         """Per-leg timeouts: connect is short; read bounds each wait for bytes.
@@ -106,21 +111,26 @@ def build_legs(
     clean: dict[str, Any],
     transfer_id: str,
     prefill_kv: tuple[str, int] | None = None,
+    p_extra: dict[str, Any] | None = None,
+    d_extra: dict[str, Any] | None = None,
 ) -> Legs:
     """Build the leg bodies for `mode` from a sanitised client body.
 
     Push needs `prefill_kv`, the (host, port) of the chosen P's kvferry side channel: D
     registers its blocks there and the connectors match the two sides by transfer_id.
+    `p_extra` / `d_extra` join the legs' kv_transfer_params (conversation reuse: D's
+    lease offer for P, a lease request for D; pull adds `d_extra` after P answered).
     """
     if mode == "pull":
-        p_params = bodies.pull_prefill_params(transfer_id)
+        p_params = {**bodies.pull_prefill_params(transfer_id), **(p_extra or {})}
         return Legs(mode, transfer_id, bodies.prefill_body(clean, endpoint, p_params), None)
     if prefill_kv is None:
         raise ValueError("push legs need the prefill side-channel address")
     host, port = prefill_kv
-    p_params = {"do_remote_decode": True, "push": True, "transfer_id": transfer_id}
+    p_params = {"do_remote_decode": True, "push": True, "transfer_id": transfer_id,
+                **(p_extra or {})}
     d_params = {"do_remote_prefill": True, "push": True, "transfer_id": transfer_id,
-                "remote_host": host, "remote_port": port}
+                "remote_host": host, "remote_port": port, **(d_extra or {})}
     return Legs(
         mode,
         transfer_id,
@@ -147,13 +157,18 @@ async def run_request(
     """Serve one completions/chat request through P and D; raises RouterError on failure."""
     started = time.perf_counter()
     transfer_id = uuid.uuid4().hex
+    turn = None
+    if ctx.conversations is not None and ctx.settings.reuse_available:
+        turn = await ctx.conversations.begin(body, client_headers)
     clean = bodies.sanitize(body)
     stream = bodies.wants_stream(clean)
     headers = forward_headers(client_headers, transfer_id)
     if mode == "push":
-        return await _run_push(ctx, endpoint, path, clean, transfer_id, headers, stream, started)
+        return await _run_push(ctx, endpoint, path, clean, transfer_id, headers, stream, started,
+                               turn)
 
-    legs = build_legs(mode, endpoint, clean, transfer_id)
+    legs = build_legs(mode, endpoint, clean, transfer_id,
+                      p_extra=turn.prefill_params() if turn else None)
     p = ctx.prefill.choose()
     p_resp, p_secs = await _prefill(ctx, p, path, legs.prefill_body, headers)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id,
@@ -172,8 +187,47 @@ async def run_request(
             "prefill %s returned no kv_transfer_params (transfer %s); decode will recompute",
             p.url, transfer_id,
         )
+    else:
+        reused = _reuse_report(ctx, turn, kv_params)
+        if reused is not None:
+            resp_headers[HDR_REUSED] = str(reused)
+    if turn is not None:
+        kv_params = {**(kv_params or {}), **turn.lease_request(ctx.settings.lease_ttl_s)}
     d_body = bodies.decode_body(clean, kv_params)
-    return await _decode(ctx, endpoint, path, d_body, headers, stream, started, resp_headers)
+    d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
+    return await _decode(ctx, endpoint, path, d_body, headers, stream, started, resp_headers,
+                         d, _commit_hooks(ctx, turn, d, DecodeHooks()))
+
+
+def _reuse_report(ctx: FlowContext, turn: Turn | None, kv_params: dict[str, Any]) -> int | None:
+    """Pop P's report on D->P reuse from its params; count it. Reused tokens, or None."""
+    report = {k: kv_params.pop(k) for k in REUSE_REPORT if k in kv_params}
+    if turn is None or turn.entry is None or not report:
+        return None
+    n = report.get("reused_tokens")
+    n = n if isinstance(n, int) and n >= 0 else 0
+    ctx.metrics.reuse_turns.labels(reason=str(report.get("reuse_reason", "unknown"))).inc()
+    ctx.metrics.reused_tokens.inc(n)
+    return n
+
+
+def _commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: DecodeHooks
+                  ) -> DecodeHooks:
+    """Record the turn's lease once D answered well (JSON: from its body; SSE: afterwards)."""
+    conv = ctx.conversations
+    if turn is None or conv is None:
+        return hooks
+
+    def on_json(params: dict[str, Any] | None) -> None:
+        if not conv.commit_offer(turn, d.url, (params or {}).get("lease")):
+            conv.commit_later(turn, d.url)  # e.g. an engine that keeps params to itself
+
+    def on_stream_end() -> None:
+        conv.commit_later(turn, d.url)
+
+    hooks.on_d_params = on_json
+    hooks.on_success = on_stream_end
+    return hooks
 
 
 async def _prefill(
@@ -227,6 +281,8 @@ async def _decode(
         try:
             if resp.status_code >= 400 or not stream:
                 data = await resp.aread()
+                if resp.status_code == 200 and hooks.on_d_params is not None:
+                    hooks.on_d_params(_kv_params_of(data))
             else:
                 handed_off = True
                 return _stream(ctx, endpoint, resp, d, started, resp_headers, hooks)
@@ -283,6 +339,7 @@ def _stream(
         on_error=on_error,
         on_abort=hooks.on_abort,
         chunk_filter=hooks.chunk_filter,
+        on_success=hooks.on_success,
     )
 
 
@@ -291,13 +348,15 @@ class DecodeHooks:
     """Optional extras for the decode leg (push uses them; pull needs none).
 
     json_fields: extra top-level fields for a 200 JSON answer. chunk_filter: rewrites the
-    SSE bytes. on_abort: called when a stream ends badly (client gone, D broke).
+    SSE bytes. on_abort: called when a stream ends badly (client gone, D broke);
+    on_success when it ends cleanly. on_d_params: D's kv_transfer_params of a JSON answer.
     """
 
     json_fields: Callable[[], dict[str, Any]] | None = None
     chunk_filter: ChunkFilter | None = None
     on_abort: Callable[[], None] | None = None
-
+    on_success: Callable[[], None] | None = None  # stream ended cleanly
+    on_d_params: Callable[[dict[str, Any] | None], None] | None = None  # D's JSON 200 answer
 
 @dataclass
 class PushPrefill:
@@ -306,6 +365,8 @@ class PushPrefill:
     task: asyncio.Task[None] | None = None
     ms: float | None = None
     """P leg duration once P answered 200, else None."""
+    reused: int | None = None
+    """Tokens P read back from D (conversation reuse), once P answered."""
 
     def cancel(self) -> None:
         """Abort P's request (closes its connection) unless it has finished."""
@@ -313,12 +374,16 @@ class PushPrefill:
             self.task.cancel()
 
     def json_fields(self) -> dict[str, Any]:
-        return {} if self.ms is None else {BODY_PREFILL_MS: round(self.ms, 3)}
+        out: dict[str, Any] = {} if self.ms is None else {BODY_PREFILL_MS: round(self.ms, 3)}
+        if self.reused is not None:
+            out[BODY_REUSED] = self.reused
+        return out
 
     def sse_event(self) -> bytes | None:
-        if self.ms is None:
+        fields = self.json_fields()
+        if not fields:
             return None
-        payload = json.dumps({"choices": [], BODY_PREFILL_MS: round(self.ms, 3)})
+        payload = json.dumps({"choices": [], **fields})
         return f"data: {payload}\n\n".encode()
 
 
@@ -331,6 +396,7 @@ async def _run_push(
     headers: dict[str, str],
     stream: bool,
     started: float,
+    turn: Turn | None = None,
 ) -> Response:
     """Push: choose D, then P; send both legs at once; D's answer is the client's.
 
@@ -338,13 +404,15 @@ async def _run_push(
     (per kv_load_failure_policy) when P's write never comes. A failing D leg or a client
     that disconnects cancels the P leg.
     """
-    d = ctx.decode.choose()
+    d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
     p = ctx.prefill.choose()
     prefill_kv = ctx.settings.prefill_kv_addr(p.url)
     if prefill_kv is None:
         raise RouterError(400, f"push needs --prefill-kv for {p.url}", "invalid_request_error",
                           "router", "no_prefill_kv")
-    legs = build_legs("push", endpoint, clean, transfer_id, prefill_kv)
+    legs = build_legs("push", endpoint, clean, transfer_id, prefill_kv,
+                      p_extra=turn.prefill_params() if turn else None,
+                      d_extra=turn.lease_request(ctx.settings.lease_ttl_s) if turn else None)
     assert legs.decode_body is not None
     leg = PushPrefill()
 
@@ -363,14 +431,21 @@ async def _run_push(
         if resp.status_code != 200:
             failed(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {resp.text[:300]}")
             return
+        try:
+            params = bodies.extract_kv_params(resp.json())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            params = None
+        if params is not None:
+            leg.reused = _reuse_report(ctx, turn, params)
         leg.ms = secs * 1000.0
 
     leg.task = asyncio.create_task(prefill_leg())
     ctx.background.add(leg.task)
     leg.task.add_done_callback(ctx.background.discard)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
-    hooks = DecodeHooks(json_fields=leg.json_fields, chunk_filter=InsertBeforeDone(leg.sse_event),
-                        on_abort=leg.cancel)
+    hooks = _commit_hooks(ctx, turn, d, DecodeHooks(
+        json_fields=leg.json_fields, chunk_filter=InsertBeforeDone(leg.sse_event),
+        on_abort=leg.cancel))
     try:
         resp = await _decode(ctx, endpoint, path, legs.decode_body, headers, stream, started,
                              resp_headers, d, hooks)
@@ -394,6 +469,13 @@ def _passthrough(resp: httpx.Response, headers: dict[str, str]) -> Response:
 
 def _ms_str(secs: float) -> str:
     return f"{secs * 1000.0:.3f}"
+
+
+def _kv_params_of(data: bytes) -> dict[str, Any] | None:
+    try:
+        return bodies.extract_kv_params(json.loads(data))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
 
 
 def _finish_json(data: bytes, extra: dict[str, Any]) -> bytes:

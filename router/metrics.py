@@ -60,6 +60,23 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        self.conversations = Gauge(
+            "kvferry_router_conversations",
+            "Conversations whose last turn's KV is leased on a decode engine.",
+            registry=self.registry,
+        )
+        self.reused_tokens = Counter(
+            "kvferry_router_reused_tokens",
+            "Prompt tokens prefill read back from decode instead of recomputing.",
+            registry=self.registry,
+        )
+        self.reuse_turns = Counter(
+            "kvferry_router_reuse_turns",
+            "Turns of known conversations, by what prefill did with decode's KV.",
+            ["reason"],
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         """Text exposition format of every metric in this registry."""
         return generate_latest(self.registry)

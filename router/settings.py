@@ -25,6 +25,16 @@ class RouterSettings(BaseModel):
         description="kvferry side-channel `host:port` of each prefill engine, aligned with "
         "prefill_urls (empty: push mode is unavailable). D is told to register with it.",
     )
+    decode_control_addrs: list[str] = Field(
+        default_factory=list,
+        description="kvferry lease-control `host:port` of each decode engine, aligned with "
+        "decode_urls (empty: no conversation reuse). The router renews, releases and looks "
+        "up D's leases there.",
+    )
+    lease_ttl_s: float | None = Field(
+        None, gt=0, description="Lease TTL asked of D per turn (default: D's decoder_kv_blocks_ttl)."
+    )
+    max_conversations: int = Field(100_000, gt=0, description="Conversation registry bound (LRU).")
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout per upstream call.")
     prefill_timeout_s: float = Field(
         300.0, gt=0, description="Read timeout for the prefill leg (whole prompt compute)."
@@ -51,7 +61,7 @@ class RouterSettings(BaseModel):
             raise ValueError("at least one upstream URL is required")
         return out
 
-    @field_validator("prefill_kv_addrs")
+    @field_validator("prefill_kv_addrs", "decode_control_addrs")
     @classmethod
     def _split_addrs(cls, addrs: list[str]) -> list[str]:
         """Accept comma-separated `host:port` entries; check each one parses."""
@@ -72,6 +82,9 @@ class RouterSettings(BaseModel):
                 f"{n_kv} prefill kv address(es) for {n_p} prefill URL(s); give one per prefill, "
                 "in the same order"
             )
+        n_c, n_d = len(self.decode_control_addrs), len(self.decode_urls)
+        if n_c and n_c != n_d:
+            raise ValueError(f"{n_c} decode control address(es) for {n_d} decode URL(s)")
         if self.mode == "push" and not n_kv:
             raise ValueError("default mode push needs prefill_kv_addrs (--prefill-kv)")
         return self
@@ -90,6 +103,18 @@ class RouterSettings(BaseModel):
         if i >= len(self.prefill_kv_addrs):
             return None
         return parse_addr(self.prefill_kv_addrs[i])
+
+
+    @property
+    def reuse_available(self) -> bool:
+        """True when conversations get D-side leases (every D has a control address)."""
+        return bool(self.decode_control_addrs)
+
+    def decode_control_addr(self, decode_url: str) -> tuple[str, int] | None:
+        try:
+            return parse_addr(self.decode_control_addrs[self.decode_urls.index(decode_url)])
+        except (ValueError, IndexError):
+            return None
 
 
 def parse_addr(addr: str) -> tuple[str, int]:

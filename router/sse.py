@@ -77,7 +77,8 @@ class UpstreamStream(Response):
     """Streams `upstream`'s body; calls `on_first_chunk` once and `on_close` exactly once.
 
     `on_abort` is also called (before `on_close`) when the stream did not end cleanly:
-    the client went away or the upstream broke. `chunk_filter` may rewrite the bytes.
+    the client went away or the upstream broke; `on_success` when it did end cleanly.
+    `chunk_filter` may rewrite the bytes.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class UpstreamStream(Response):
         on_error: Callable[[RouterError], None] | None = None,
         on_abort: Callable[[], None] | None = None,
         chunk_filter: ChunkFilter | None = None,
+        on_success: Callable[[], None] | None = None,
     ) -> None:
         self.upstream = upstream
         self.leg = leg
@@ -106,6 +108,7 @@ class UpstreamStream(Response):
         self._on_error = on_error
         self._on_abort = on_abort
         self._filter = chunk_filter
+        self._on_success = on_success
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         clean = False
@@ -127,6 +130,8 @@ class UpstreamStream(Response):
             try:
                 if not clean and self._on_abort is not None:
                     self._on_abort()
+                if clean and self._on_success is not None:
+                    self._on_success()
             finally:
                 self._on_close()
 

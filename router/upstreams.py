@@ -46,6 +46,15 @@ class UpstreamPool:
         self._next = (self.upstreams.index(best) + 1) % n
         return best
 
+    def choose_sticky(self, preferred: str | None) -> Upstream:
+        """`preferred` (where a conversation's KV is) unless it is gone or overloaded."""
+        if preferred is None:
+            return self.choose()
+        from .registry import choose_decode
+
+        url = choose_decode(preferred, {u.url: u.in_flight for u in self.upstreams})
+        return next((u for u in self.upstreams if u.url == url), None) or self.choose()
+
     def acquire(self, up: Upstream) -> None:
         """Count a request as open on `up`."""
         up.in_flight += 1

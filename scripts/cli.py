@@ -74,6 +74,11 @@ def router(
     prefill_kv: Annotated[list[str] | None, typer.Option(
         help="kvferry side channel host:port of each prefill engine, same order as --prefill "
         "(repeat or comma-list); needed for push mode.")] = None,
+    decode_control: Annotated[list[str] | None, typer.Option(
+        help="kvferry lease-control host:port of each decode engine, same order as --decode "
+        "(repeat or comma-list); enables conversation KV reuse.")] = None,
+    lease_ttl: Annotated[float | None, typer.Option(
+        help="Lease TTL (s) asked of decode per turn; default decode's own.")] = None,
     connect_timeout: float = 3.0,
     prefill_timeout: float = 300.0,
     decode_timeout: float = 300.0,
@@ -91,7 +96,8 @@ def router(
         settings = RouterSettings(
             prefill_urls=prefill, decode_urls=decode,
             mode=_choice(mode, ("pull", "push"), "--mode"),  # type: ignore[arg-type]
-            prefill_kv_addrs=prefill_kv or [], connect_timeout_s=connect_timeout,
+            prefill_kv_addrs=prefill_kv or [], decode_control_addrs=decode_control or [],
+            lease_ttl_s=lease_ttl, connect_timeout_s=connect_timeout,
             prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
         )
     except ValidationError as exc:
@@ -171,7 +177,9 @@ def _up(
                    "--port", str(router_port), "--mode", mode]
     if connector == "kvferry":
         p_spec = specs["prefill"]
-        router_argv += ["--prefill-kv", f"{p_spec.host}:{p_spec.side_port}"]
+        d_spec = specs["decode"]
+        router_argv += ["--prefill-kv", f"{p_spec.host}:{p_spec.side_port}",
+                        "--decode-control", f"{d_spec.host}:{d_spec.control_port}"]
     children.append(Child("router", router_argv, logs / "router.log", router_url + "/health"))
 
     if dry_run:

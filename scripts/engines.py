@@ -39,6 +39,7 @@ class EngineSpec:
     max_model_len: int = 4096
     host: str = "127.0.0.1"
     side_channel_port: int | None = None
+    lease_control_port: int | None = None  # default side port + 50 (connector's default)
     devices_per_engine: int = 1
     cpus: tuple[int, ...] | None = None
     kv_cache_gib: int = 1
@@ -62,6 +63,11 @@ class EngineSpec:
     def side_port(self) -> int:
         return self.side_channel_port or SIDE_CHANNEL_PORTS[self.role]
 
+    @property
+    def control_port(self) -> int:
+        """kvferry lease-control port (the router renews/releases D's leases there)."""
+        return self.lease_control_port or self.side_port + 50
+
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
     """The --kv-transfer-config JSON for the chosen connector."""
@@ -75,6 +81,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
                 "hardware_backend": spec.backend,
                 "side_channel_host": spec.host,
                 "side_channel_port": spec.side_port,
+                "lease_control_port": spec.control_port,
                 "transfer_mode": spec.mode,
                 **spec.connector_extra,
             },

@@ -56,6 +56,7 @@ INSTANCES: dict[str, InstanceSpec] = {
 # UCX over EFA: the SRD transport (UCX >= 1.19) plus CUDA copy/IPC for local GPU memory.
 P5EN_UCX_TLS = "srd,cuda_copy,cuda_ipc,sm,self"
 NEURON_BLOCK_SIZE = 32
+CONTROL_OFFSET = 50  # lease-control port = side-channel port + 50 (connector default)
 
 
 @dataclass
@@ -222,6 +223,10 @@ def plan(
         "kvferry", "router", "--host", "0.0.0.0", "--port", str(router_port),
         "--prefill", *[e.url for e in engines if e.role == "prefill"],
         "--decode", *[e.url for e in engines if e.role == "decode"],
+        "--prefill-kv", ",".join(f"{e.host}:{e.side_channel_port}" for e in engines
+                                 if e.role == "prefill"),
+        "--decode-control", ",".join(f"{e.host}:{e.side_channel_port + CONTROL_OFFSET}"
+                                     for e in engines if e.role == "decode"),
     ]
     rhost = router_host or hosts[0]
     target = next((p for p in plans if p.host == rhost), None)
@@ -281,7 +286,8 @@ def _check_no_port_clash(plans: list[HostPlan], router_host: str, router_port: i
     for p in plans:
         used: list[int] = []
         for e in p.engines:
-            used += [e.http_port, *range(e.side_channel_port, e.side_channel_port + len(e.devices))]
+            used += [e.http_port, e.side_channel_port + CONTROL_OFFSET,
+                     *range(e.side_channel_port, e.side_channel_port + len(e.devices))]
         if p.host == router_host:
             used.append(router_port)
         if len(used) != len(set(used)):

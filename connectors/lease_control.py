@@ -1,0 +1,123 @@
+"""Lease control channel: the router renews, releases and looks up D's leases (ZMQ REQ/REP).
+
+A decode engine's scheduler serves it from a daemon thread (`ControlServer`). Requests are
+signed with the deployment secret (HMAC) and time-stamped, so only the router (or another
+holder of ``KVFERRY_SECRET``) can end or extend a lease, and a captured request cannot be
+replayed later. Replies: ``{"ok": True, "offer": <signed LeaseOffer>}`` or
+``{"ok": False, "error": "<reason>"}`` where reason is a `LeaseError` reason or
+``bad_request``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvferry.connectors.lease import LeaseError
+from kvferry.connectors.params import secret
+
+log = logging.getLogger("vllm." + __name__)
+
+OPS = ("renew", "release", "info")
+MAX_SKEW_S = 300.0
+
+
+def _mac(op: str, lease_id: str, ttl: float | None, ts: float, key: bytes) -> str:
+    return hmac.new(key, msgspec.msgpack.encode([op, lease_id, ttl, ts]), hashlib.sha256).hexdigest()
+
+
+def request(op: str, lease_id: str, ttl: float | None = None, key: bytes | None = None) -> bytes:
+    if op not in OPS:
+        raise ValueError(f"unknown lease op {op!r}")
+    ts = time.time()
+    sig = _mac(op, lease_id, ttl, ts, secret() if key is None else key)
+    return msgspec.msgpack.encode({"op": op, "lease_id": lease_id, "ttl": ttl, "ts": ts, "sig": sig})
+
+
+def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None = None) -> dict[str, Any]:
+    """One request against a `LeaseKeeper`; never raises."""
+    k = secret() if key is None else key
+    try:
+        req = msgspec.msgpack.decode(blob)
+        op, lease_id, ttl, ts, sig = (req["op"], req["lease_id"], req.get("ttl"), req["ts"],
+                                      req["sig"])
+        if op not in OPS or not isinstance(lease_id, str) or not isinstance(sig, str):
+            raise ValueError("bad fields")
+        if ttl is not None and (not isinstance(ttl, int | float) or ttl <= 0):
+            raise ValueError("bad ttl")
+    except Exception:
+        return {"ok": False, "error": "bad_request"}
+    if not k or not hmac.compare_digest(sig, _mac(op, lease_id, ttl, ts, k)):
+        return {"ok": False, "error": "bad_signature"}
+    if abs((time.time() if now is None else now) - float(ts)) > MAX_SKEW_S:
+        return {"ok": False, "error": "stale"}
+    try:
+        if op == "renew":
+            return {"ok": True, "offer": keeper.renew(lease_id, ttl)}
+        if op == "release":
+            keeper.release(lease_id)
+            return {"ok": True}
+        return {"ok": True, "offer": keeper.info(lease_id)}
+    except LeaseError as e:
+        return {"ok": False, "error": e.reason}
+    except Exception as e:  # a bug must not kill the channel
+        log.exception("lease control %s %s", op, lease_id)
+        return {"ok": False, "error": f"internal: {e}"}
+
+
+class ControlServer:
+    """Serves `handle` for one keeper from a daemon thread."""
+
+    def __init__(self, keeper: Any, host: str, port: int) -> None:
+        self.keeper = keeper
+        self._sock = zmq.Context.instance().socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://{host}:{port}")
+        self.address = f"{host}:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvferry-lease-control",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(200)):
+                continue
+            try:
+                blob = self._sock.recv()
+                self._sock.send(msgspec.msgpack.encode(handle(self.keeper, blob)))
+            except zmq.ZMQError as e:
+                log.warning("lease control: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1)
+        self._sock.close()
+
+
+async def call(host: str, port: int, op: str, lease_id: str, ttl: float | None = None,
+               timeout_s: float = 2.0, key: bytes | None = None) -> dict[str, Any]:
+    """Router side (asyncio): one request; ``{"ok": False, "error": "unreachable"}`` on timeout."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        await sock.send(request(op, lease_id, ttl, key))
+        if not await sock.poll(int(timeout_s * 1000)):
+            return {"ok": False, "error": "unreachable"}
+        reply = msgspec.msgpack.decode(await sock.recv())
+        return reply if isinstance(reply, dict) else {"ok": False, "error": "bad_reply"}
+    except (zmq.ZMQError, msgspec.DecodeError) as e:
+        return {"ok": False, "error": f"unreachable: {e}"}
+    finally:
+        sock.close()

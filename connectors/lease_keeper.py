@@ -1,0 +1,146 @@
+"""D keeps finished turns' KV blocks under leases, so P can READ them on the next turn.
+
+The scheduler side of one decode engine owns a `LeaseKeeper`. When a request that the
+router marked ``{"lease": {"lease_id": ..., "ttl": ...}}`` finishes, vLLM keeps its blocks
+(delayed free) and the keeper grants a lease over the full blocks holding computed KV,
+returning a signed `LeaseOffer` (with the prefix hash chain) that vLLM hands back in the
+response's ``kv_transfer_params``. Renew/release/info arrive from the router over the
+lease-control side channel (another thread, hence the lock).
+
+Safety against freeing blocks under a running READ is time-based, because READs are
+one-sided and D never sees them: P starts a READ only if the lease outlives it by a
+margin and abandons it after ``read_timeout`` (< margin); D frees a released or evicted
+lease only ``free_grace`` seconds later (> P's read timeout), and an expired one at
+``expiry + free_grace`` (clock skew between hosts).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kvferry.connectors.lease import FreeBlocks, LeaseError, LeaseTable
+from kvferry.connectors.params import LeaseOffer, sign_lease
+from kvferry.connectors.prefix import block_hashes
+
+log = logging.getLogger("vllm." + __name__)
+
+TICK_S = 0.05  # sweep leases at most this often (the idle engine steps every ~1 ms)
+
+
+class LeaseKeeper:
+    def __init__(self, engine_id: str, instance: str, host: str, port: int, block_size: int,
+                 tp_size: int = 1, *, ttl: float = 480.0, max_lifetime: float = 3600.0,
+                 max_blocks: int | None = None, free_grace: float = 3.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.engine_id, self.instance = engine_id, instance
+        self.host, self.port = host, port
+        self.block_size, self.tp_size = block_size, tp_size
+        self.free_grace = free_grace
+        self.clock = clock
+        self.table = LeaseTable(ttl, max_lifetime=max_lifetime, max_blocks=max_blocks,
+                                read_timeout=None)
+        self._offers: dict[str, LeaseOffer] = {}
+        self._frees: list[tuple[float, str]] = []  # (free at, req id)
+        self._last_tick = float("-inf")
+        self._lock = threading.Lock()
+
+    # -- scheduler thread ------------------------------------------------------------------
+    def grant(self, req_id: str, request: Any, block_ids: Sequence[int], token_ids: Sequence[int],
+              num_computed: int) -> dict[str, Any] | None:
+        """Lease a finished request's blocks; the signed offer, or None (free them now)."""
+        if not isinstance(request, Mapping) or not isinstance(request.get("lease_id"), str):
+            log.warning("request %s: malformed lease request %r; not keeping its KV", req_id, request)
+            return None
+        lease_id = request["lease_id"]
+        ttl = request.get("ttl")
+        ttl = float(ttl) if isinstance(ttl, int | float) and ttl > 0 else None
+        n_kv = max(0, min(num_computed, len(token_ids)))
+        full = min(n_kv // self.block_size, len(block_ids))
+        if full == 0 or not 0 < len(lease_id) <= 128:
+            return None
+        tokens = list(token_ids[: full * self.block_size])
+        hashes = block_hashes(tokens, self.block_size)
+        now = self.clock()
+        with self._lock:
+            try:
+                expiry, evicted = self.table.grant(lease_id, req_id, block_ids[:full],
+                                                   len(tokens), hashes, now, ttl=ttl)
+            except LeaseError as e:
+                log.warning("request %s: no lease (%s); freeing its KV", req_id, e)
+                return None
+            self._schedule(evicted, now)
+            offer = LeaseOffer(self.engine_id, self.instance, self.host, self.port, lease_id,
+                               list(block_ids[:full]), self.block_size, len(tokens), hashes,
+                               expiry, self.tp_size)
+            self._offers[lease_id] = offer
+        log.info("lease %s: %d blocks (%d tokens) of request %s until +%.0fs", lease_id, full,
+                 len(tokens), req_id, expiry - now)
+        return sign_lease(offer)
+
+    def due_frees(self) -> list[str]:
+        """Request ids whose blocks may be freed now (leases ended at least a grace ago)."""
+        now = self.clock()
+        with self._lock:
+            if now - self._last_tick >= TICK_S:
+                self._last_tick = now
+                self._schedule(self.table.tick(now), now)
+            if not self._frees:
+                return []
+            due = [r for at, r in self._frees if at <= now]
+            self._frees = [(at, r) for at, r in self._frees if at > now]
+            return due
+
+    def evict_for_pressure(self) -> bool:
+        """Memory is short: release the least recently used lease (one per call, none while
+        an earlier free is still in its grace). True if a free is on its way."""
+        now = self.clock()
+        with self._lock:
+            if self._frees:
+                return True
+            victim = next(iter(self.table._held), None)  # LRU order
+            if victim is None:
+                return False
+            log.info("lease %s: released early, decode needs its blocks", victim)
+            self._schedule(self.table.release(victim, now), now)
+            return True
+
+    @property
+    def num_blocks(self) -> int:
+        return self.table.num_blocks
+
+    # -- control thread (router) ----------------------------------------------------------
+    def renew(self, lease_id: str, ttl: float | None = None) -> dict[str, Any]:
+        now = self.clock()
+        with self._lock:
+            expiry = self.table.renew(lease_id, now, ttl)
+            offer = self._offers[lease_id]
+            offer.expiry = expiry
+            return sign_lease(offer)
+
+    def release(self, lease_id: str) -> None:
+        now = self.clock()
+        with self._lock:
+            self._schedule(self.table.release(lease_id, now), now)
+
+    def info(self, lease_id: str) -> dict[str, Any]:
+        now = self.clock()
+        with self._lock:
+            lease = self.table.get(lease_id)
+            if lease is None:
+                self.table.renew(lease_id, now, 0.0)  # raises the precise LeaseError
+                raise LeaseError(lease_id, "unknown")
+            if now >= lease.expiry:
+                raise LeaseError(lease_id, "expired")
+            return sign_lease(self._offers[lease_id])
+
+    # -- internals -----------------------------------------------------------------------
+    def _schedule(self, freed: list[FreeBlocks], now: float) -> None:
+        for f in freed:
+            self._offers.pop(f.lease_id, None)
+            self._frees.append((now + self.free_grace, f.req_id))
+            log.info("lease %s (request %s) ended: %s; %d blocks free in %.1fs", f.lease_id,
+                     f.req_id, f.reason, len(f.block_ids), self.free_grace)

@@ -1,0 +1,188 @@
+"""Conversations: where each conversation's last turn left its KV, and its D-side lease.
+
+One turn, seen from the router (see `flow.py` for the legs):
+
+1. `begin` finds the conversation id (body or agent session headers) and the tenant (a
+   hash of the API key). If the registry holds a live entry, P is sent D's signed lease
+   offer (``kv_transfer_params.reuse``) and the conversation prefers that entry's D.
+2. D is asked to keep this turn's blocks under a new lease (``kv_transfer_params.lease``).
+3. After the D leg succeeded, `commit` records D's offer (from the JSON answer, or for a
+   stream from D's lease-control channel) and releases the lease it replaces. A failed
+   turn commits nothing: the previous entry stays usable.
+
+Leases are renewed by `heartbeat` and ended by `end` (or by TTL on D). Entries are scoped
+per tenant, so one API key can never make P read another's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.connectors import lease_control
+
+from .metrics import RouterMetrics
+from .registry import (
+    ConversationEntry,
+    ConversationRegistry,
+    api_key_from,
+    conversation_id_from,
+    tenant_of,
+)
+from .settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Turn:
+    tenant: str
+    conversation_id: str
+    lease_id: str
+    entry: ConversationEntry | None  # the previous turn's KV, if still leased
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.conversation_id)
+
+    def prefill_params(self) -> dict[str, Any]:
+        """Extra kv_transfer_params for P: D's signed lease offer (history to READ)."""
+        return {"reuse": dict(self.entry.kv_transfer_params)} if self.entry else {}
+
+    def lease_request(self, ttl: float | None) -> dict[str, Any]:
+        return {"lease": {"lease_id": self.lease_id, **({"ttl": ttl} if ttl else {})}}
+
+
+class Conversations:
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics,
+                 secret: bytes = b"") -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.registry = ConversationRegistry(settings.max_conversations)
+        self._secret = secret
+        self._pending: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- a turn ------------------------------------------------------------------------
+    async def begin(self, body: Mapping[str, Any], headers: Any) -> Turn | None:
+        cid = conversation_id_from(body, headers)
+        if cid is None:
+            return None
+        tenant = tenant_of(api_key_from(headers), self._secret)
+        pending = self._pending.get((tenant, cid))
+        if pending is not None:  # the previous streamed turn is still being recorded
+            await asyncio.wait({pending}, timeout=self.settings.connect_timeout_s)
+        entry = self.registry.get(tenant, cid, time.time())
+        self._gauge()
+        return Turn(tenant, cid, uuid.uuid4().hex, entry)
+
+    def commit_offer(self, turn: Turn, decode_url: str, offer: Any) -> bool:
+        """Record a successful turn's lease offer (D's signed dict); False if unusable."""
+        if not isinstance(offer, Mapping):
+            return False
+        try:
+            entry = ConversationEntry(
+                decode_url=decode_url, engine_id=str(offer["engine_id"]),
+                lease_id=str(offer["lease_id"]), expiry=float(offer["expiry"]),
+                num_tokens=int(offer["num_tokens"]), kv_transfer_params=dict(offer))
+        except (KeyError, TypeError, ValueError):
+            log.warning("conversation %s: malformed lease offer from %s", turn.conversation_id,
+                        decode_url)
+            return False
+        if entry.lease_id != turn.lease_id:
+            return False
+        for old in self.registry.update(turn.tenant, turn.conversation_id, entry):
+            self._spawn(self._release(old))
+        self._gauge()
+        return True
+
+    def commit_later(self, turn: Turn, decode_url: str) -> None:
+        """Streamed turn: fetch D's offer over the control channel, before the next turn."""
+        task = asyncio.create_task(self._fetch_and_commit(turn, decode_url))
+        self._pending[turn.key] = task
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            if self._pending.get(turn.key) is t:
+                del self._pending[turn.key]
+
+        task.add_done_callback(done)
+
+    async def _fetch_and_commit(self, turn: Turn, decode_url: str) -> None:
+        addr = self.settings.decode_control_addr(decode_url)
+        if addr is None:
+            return
+        reply = await lease_control.call(*addr, "info", turn.lease_id,
+                                         timeout_s=self.settings.connect_timeout_s, key=self._secret)
+        if reply.get("ok"):
+            self.commit_offer(turn, decode_url, reply.get("offer"))
+        else:
+            log.info("conversation %s: no lease from %s (%s)", turn.conversation_id, decode_url,
+                     reply.get("error"))
+
+    # -- endpoints ---------------------------------------------------------------------
+    def lookup(self, conversation_id: str, headers: Any) -> tuple[str, ConversationEntry | None]:
+        tenant = tenant_of(api_key_from(headers), self._secret)
+        return tenant, self.registry.get(tenant, conversation_id, time.time())
+
+    async def heartbeat(self, conversation_id: str, headers: Any, ttl: float | None = None
+                        ) -> ConversationEntry | None:
+        """Renew the conversation's lease on its D; None if there is nothing to renew."""
+        tenant, entry = self.lookup(conversation_id, headers)
+        if entry is None:
+            return None
+        addr = self.settings.decode_control_addr(entry.decode_url)
+        if addr is None:
+            return None
+        reply = await lease_control.call(*addr, "renew", entry.lease_id, ttl,
+                                         timeout_s=self.settings.connect_timeout_s, key=self._secret)
+        if not reply.get("ok"):
+            if reply.get("error") in ("expired", "released", "unknown"):
+                self.registry.drop(tenant, conversation_id)
+                self._gauge()
+            return None
+        offer = reply["offer"]
+        new = ConversationEntry(entry.decode_url, entry.engine_id, entry.lease_id,
+                                float(offer["expiry"]), entry.num_tokens, dict(offer))
+        self.registry.update(tenant, conversation_id, new)
+        return new
+
+    async def end(self, conversation_id: str, headers: Any) -> bool:
+        """End of conversation: forget it and release its blocks on D at once."""
+        tenant = tenant_of(api_key_from(headers), self._secret)
+        entry = self.registry.drop(tenant, conversation_id)
+        self._gauge()
+        if entry is None:
+            return False
+        await self._release(entry)
+        return True
+
+    # -- internals -----------------------------------------------------------------------
+    async def _release(self, entry: ConversationEntry) -> None:
+        addr = self.settings.decode_control_addr(entry.decode_url)
+        if addr is None:
+            return
+        reply = await lease_control.call(*addr, "release", entry.lease_id,
+                                         timeout_s=self.settings.connect_timeout_s, key=self._secret)
+        if not reply.get("ok") and reply.get("error") not in ("expired", "released", "unknown"):
+            log.warning("could not release lease %s on %s: %s", entry.lease_id, entry.decode_url,
+                        reply.get("error"))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _gauge(self) -> None:
+        self.metrics.conversations.set(self.registry.size)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
