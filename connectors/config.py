@@ -41,7 +41,8 @@ class ConnectorConfig(BaseModel):
     decoder_kv_blocks_ttl: float = Field(480.0, gt=0)
     lease_max_lifetime_s: float = Field(3600.0, gt=0)
     lease_max_fraction: float = Field(0.5, gt=0, le=1)
-    # Lease control channel (router -> D); default side_channel_port + 50.
+    # Lease control channel (router -> D); default: the port after the TP ranks'
+    # side-channel ports (side_channel_port + TP size).
     lease_control_port: int | None = Field(None, ge=1, le=65535)
     # P: read D's history only if at least this many tokens would be reused, only from a
     # lease that outlives now + lease_margin_s, and give up a READ after
@@ -59,9 +60,8 @@ class ConnectorConfig(BaseModel):
             raise ValueError("lease_free_grace_s must exceed reuse_read_timeout_s")
         return self
 
-    @property
-    def control_port(self) -> int:
-        return self.lease_control_port or self.side_channel_port + 50
+    def control_port(self, tp_size: int = 1) -> int:
+        return self.lease_control_port or self.side_channel_port + tp_size
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -65,10 +65,10 @@ class KvferryConnector(KVConnectorBase_V1):
                              ttl=cfg.decoder_kv_blocks_ttl, max_lifetime=cfg.lease_max_lifetime_s,
                              max_blocks=max_blocks or None, free_grace=cfg.lease_free_grace_s)
         try:
-            self._control = ControlServer(keeper, cfg.side_channel_host, cfg.control_port)
+            self._control = ControlServer(keeper, cfg.side_channel_host, cfg.control_port(tp))
         except Exception as e:  # leases still end by TTL; the router cannot renew/release
             log.warning("kvferry: lease control channel on port %d unavailable: %s",
-                        cfg.control_port, e)
+                        cfg.control_port(tp), e)
         return keeper
 
     # -- scheduler side ----------------------------------------------------------------

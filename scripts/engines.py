@@ -134,6 +134,10 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         })
     elif spec.backend == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_share(spec)))
+        if spec.connector == "kvferry":
+            # vLLM 0.26's V2 model runner (its default for dense models) never offers the
+            # cross-layer KV layout (one descriptor per block for all layers); V1 does.
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     elif spec.backend == "neuron":
         env["NEURON_RT_VISIBLE_CORES"] = format_ranges(device_share(spec))
         env["FI_EFA_ENABLE_SHM_TRANSFER"] = "0"

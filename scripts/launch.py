@@ -56,7 +56,6 @@ INSTANCES: dict[str, InstanceSpec] = {
 # UCX over EFA: the SRD transport (UCX >= 1.19) plus CUDA copy/IPC for local GPU memory.
 P5EN_UCX_TLS = "srd,cuda_copy,cuda_ipc,sm,self"
 NEURON_BLOCK_SIZE = 32
-CONTROL_OFFSET = 50  # lease-control port = side-channel port + 50 (connector default)
 
 
 @dataclass
@@ -210,7 +209,7 @@ def plan(
         port = next_http.get(h, http_port)
         side = next_side.get(h, side_channel_port)
         next_http[h] = port + 1
-        next_side[h] = side + len(devs)  # one side-channel port per TP rank
+        next_side[h] = side + len(devs) + 1  # one per TP rank, then the lease-control port
         env = _engine_env(backend, devs, lnc, backends, shared=len(roles_on[h]) > 1,
                           staging=neuron_staging)
         argv = _vllm_argv(python, model, port, len(devs), backend, hosts[h], side, backends,
@@ -225,7 +224,7 @@ def plan(
         "--decode", *[e.url for e in engines if e.role == "decode"],
         "--prefill-kv", ",".join(f"{e.host}:{e.side_channel_port}" for e in engines
                                  if e.role == "prefill"),
-        "--decode-control", ",".join(f"{e.host}:{e.side_channel_port + CONTROL_OFFSET}"
+        "--decode-control", ",".join(f"{e.host}:{e.side_channel_port + len(e.devices)}"
                                      for e in engines if e.role == "decode"),
     ]
     rhost = router_host or hosts[0]
@@ -263,6 +262,7 @@ def _vllm_argv(python: str, model: str, port: int, tp: int, backend: str, host: 
         "hardware_backend": backend,
         "side_channel_host": host,
         "side_channel_port": side,
+        "lease_control_port": side + tp,  # right after the TP ranks' side-channel ports
         "nixl_backends": backends,
     }
     if backend == "neuron" and staging:
@@ -286,8 +286,7 @@ def _check_no_port_clash(plans: list[HostPlan], router_host: str, router_port: i
     for p in plans:
         used: list[int] = []
         for e in p.engines:
-            used += [e.http_port, e.side_channel_port + CONTROL_OFFSET,
-                     *range(e.side_channel_port, e.side_channel_port + len(e.devices))]
+            used += [e.http_port, *range(e.side_channel_port, e.side_channel_port + len(e.devices) + 1)]
         if p.host == router_host:
             used.append(router_port)
         if len(used) != len(set(used)):

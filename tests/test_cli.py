@@ -53,7 +53,8 @@ def test_cpu_kvferry_engine(role: str, side: int, bind: str) -> None:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"hardware_backend": "cpu", "side_channel_host": "127.0.0.1",
-                                      "side_channel_port": side, "transfer_mode": "pull"},
+                                      "side_channel_port": side, "lease_control_port": side + 50,
+                                      "transfer_mode": "pull"},
     }
     assert engine_env(spec) == {
         "VLLM_CPU_OMP_THREADS_BIND": bind,

@@ -74,7 +74,13 @@ def test_trn2_multi_host_separate_roles_and_lnc1() -> None:
     assert router[:2] == ["kvferry", "router"]
     assert router[router.index("--prefill") + 1:router.index("--decode")] == \
         ["http://t0:8100", "http://t0:8101", "http://t1:8100"]
-    assert router[router.index("--decode") + 1:] == ["http://t2:8100"]
+    assert router[router.index("--decode") + 1:router.index("--prefill-kv")] == ["http://t2:8100"]
+    # push needs P's side channels; conversation reuse D's lease-control ports (after
+    # each engine's TP-rank side-channel ports).
+    tp_ranks = len(engines(plans)[0].devices)
+    assert router[router.index("--prefill-kv") + 1].split(",") == \
+        ["t0:5600", f"t0:{5600 + tp_ranks + 1}", "t1:5600"]
+    assert router[router.index("--decode-control") + 1] == f"t2:{5600 + tp_ranks}"
     # LNC=1 exposes all 128 physical cores
     plans = plan(["t0"], "trn2.48xlarge", 1, 1, 64, "m", lnc=1)
     check_invariants(plans, 128)
