@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -34,6 +35,10 @@ def _mac(op: str, lease_id: str, ttl: float | None, ts: float, key: bytes) -> st
     return hmac.new(key, msgspec.msgpack.encode([op, lease_id, ttl, ts]), hashlib.sha256).hexdigest()
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def request(op: str, lease_id: str, ttl: float | None = None, key: bytes | None = None) -> bytes:
     if op not in OPS:
         raise ValueError(f"unknown lease op {op!r}")
@@ -49,9 +54,14 @@ def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None
         req = msgspec.msgpack.decode(blob)
         op, lease_id, ttl, ts, sig = (req["op"], req["lease_id"], req.get("ttl"), req["ts"],
                                       req["sig"])
-        if op not in OPS or not isinstance(lease_id, str) or not isinstance(sig, str):
+        # An ASCII sig (compare_digest raises on other str) and finite numbers (a NaN
+        # ts would pass the staleness check) are checked here, so nothing below raises.
+        if (op not in OPS or not isinstance(lease_id, str) or not isinstance(sig, str)
+                or not sig.isascii()):
             raise ValueError("bad fields")
-        if ttl is not None and (not isinstance(ttl, int | float) or ttl <= 0):
+        if not _finite(ts):
+            raise ValueError("bad ts")
+        if ttl is not None and (not _finite(ttl) or ttl <= 0):
             raise ValueError("bad ttl")
     except Exception:
         return {"ok": False, "error": "bad_request"}
