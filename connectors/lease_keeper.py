@@ -115,6 +115,7 @@ class LeaseKeeper:
     # -- control thread (router) ----------------------------------------------------------
     def renew(self, lease_id: str, ttl: float | None = None) -> dict[str, Any]:
         now = self.clock()
+        ttl = None if ttl is None else min(ttl, self.table.ttl)  # never beyond D's own TTL
         with self._lock:
             expiry = self.table.renew(lease_id, now, ttl)
             offer = self._offers[lease_id]

@@ -149,8 +149,8 @@ def test_renew_extends_and_resigns():
     assert k.table.get("L1").expiry == o.expiry
     assert parse_lease(k.info("L1")).expiry == o.expiry  # info serves the renewed offer
     c.t += 1
-    assert parse_lease(k.renew("L1", ttl=500.0)).expiry == c.t + 500.0
-    assert parse_lease(k.renew("L1", ttl=1.0)).expiry == c.t + 500.0  # never shortens
+    assert parse_lease(k.renew("L1", ttl=TTL * 10)).expiry == c.t + TTL  # capped at D's TTL
+    assert parse_lease(k.renew("L1", ttl=1.0)).expiry == c.t + TTL  # never shortens
 
 
 def test_renew_keeps_lease_past_its_first_term():
