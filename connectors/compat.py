@@ -53,3 +53,35 @@ def all_tokens(request: Any) -> list[int]:
     if toks is None:
         toks = list(request.prompt_token_ids or []) + list(getattr(request, "output_token_ids", []))
     return list(toks)
+
+
+def step_progress(scheduler_output: Any) -> dict[str, tuple[int, int]]:
+    """req id -> (tokens computed before this step, tokens scheduled in it).
+
+    Both versions carry ``num_computed_tokens`` on new requests (per request) and on the
+    running ones (a list parallel to ``req_ids``), and ``num_scheduled_tokens`` as a dict.
+    """
+    computed = {r.req_id: int(r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, map(int, cached.num_computed_tokens), strict=False))
+    return {req_id: (computed.get(req_id, 0), int(n))
+            for req_id, n in scheduler_output.num_scheduled_tokens.items()}
+
+
+def grown_blocks(scheduler_output: Any) -> dict[str, tuple[list[int], bool]]:
+    """Running requests that got blocks this step: req id -> (block ids, replace).
+
+    ``replace``: a request resumed from preemption lists all its blocks, not new ones.
+    0.32 names those requests in ``resumed_req_ids`` (a set); older versions flag them in
+    ``resumed_from_preemption`` (a list parallel to ``req_ids``).
+    """
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is None:
+        flags = getattr(cached, "resumed_from_preemption", None) or [False] * len(cached.req_ids)
+        resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
+    out: dict[str, tuple[list[int], bool]] = {}
+    for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+        if ids is not None and (blocks := first_group(ids)):
+            out[req_id] = (blocks, req_id in resumed)
+    return out

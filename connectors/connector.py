@@ -44,11 +44,34 @@ class KvferryConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             tp = vllm_config.parallel_config.tensor_parallel_size
             cfg = self.cfg
+            host_staging = self._host_staging_possible()
+            if host_staging:
+                log.warning("kvferry: Neuron KV may be staged through host memory "
+                            "(neuron_staging is not 'device'): this engine keeps no decode "
+                            "leases (bidirectional reuse off), because a leased block's host "
+                            "mirror would miss every later decode step; set "
+                            "neuron_staging: device to enable reuse")
             self._sched = TransferScheduler(
                 self.engine_id, cfg.side_channel_host, cfg.side_channel_port, self.block_size, tp,
-                leases=self._lease_keeper(vllm_config, kv_cache_config, tp),
+                leases=None if host_staging else self._lease_keeper(vllm_config, kv_cache_config, tp),
                 reuse=ReuseSettings(cfg.kv_recompute_threshold, cfg.lease_margin_s,
-                                    cfg.reuse_read_timeout_s))
+                                    cfg.reuse_read_timeout_s),
+                stage_saves=host_staging)
+
+    def _host_staging_possible(self) -> bool:
+        """May this engine's workers move KV through host mirrors (neuron/staging.py)?
+
+        Decided from configuration alone, the way NeuronBackend starts (extra config, then
+        $KVFERRY_NEURON_STAGING, then auto), because the scheduler process must not touch
+        the Neuron runtime. ``auto`` probes the hardware only in the worker, so it counts as
+        possible: P then ships `StepMeta.save` lists a device-mode worker ignores, and D
+        grants no leases (a stale mirror would be a wrong answer, no lease is a recompute).
+        """
+        if self.cfg.hardware_backend != "neuron":
+            return False
+        backend = get_backend("neuron")  # constructing and configuring touch no hardware
+        backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
+        return backend.staging_mode != "device"
 
     def _lease_keeper(self, vllm_config: Any, kv_cache_config: Any, tp: int) -> Any:
         """D's leases (bidirectional reuse) and the router's control channel onto them."""
@@ -77,9 +100,9 @@ class KvferryConnector(KVConnectorBase_V1):
                                           request.kv_transfer_params, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        self._sched.after_alloc(request.request_id, compat.request_blocks(blocks),
-                                num_external_tokens)
         params = request.kv_transfer_params
+        self._sched.after_alloc(request.request_id, compat.request_blocks(blocks),
+                                num_external_tokens, params if isinstance(params, dict) else None)
         if isinstance(params, dict) and params.get("do_remote_prefill"):
             # One READ attempt per request: after a failed READ vLLM reschedules it, and
             # it must then recompute instead of asking the same (dead) peer again.
@@ -88,6 +111,9 @@ class KvferryConnector(KVConnectorBase_V1):
             params["reuse"] = None  # one reuse READ attempt, likewise
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self._sched.saves is not None:  # host staging may be active: what P must stage
+            self._sched.plan_saves(compat.step_progress(scheduler_output),
+                                   compat.grown_blocks(scheduler_output))
         return KvferryMeta(self._sched.take_meta())
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -130,8 +156,11 @@ class KvferryConnector(KVConnectorBase_V1):
         first = next(iter(kv_caches.values()))
         log.info("kvferry: %d KV tensors like %s %s; %d blocks", len(kv_caches),
                  tuple(first.shape), getattr(first, "dtype", "?"), n)
+        # Host staging (neuron): the layout is the DRAM mirror and the worker copies
+        # device <-> mirror around transfers; cpu/cuda have none.
         self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout,
-                                      self.cfg.transport_backends(backend), self.instance)
+                                      self.cfg.transport_backends(backend), self.instance,
+                                      staging=getattr(backend, "staging", None))
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
@@ -153,7 +182,12 @@ class KvferryConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
-        return None
+        """Host staging, P: copy the blocks this step's forward wrote to the host mirror
+        now, synchronously, so they are there before request_finished publishes the offer
+        D READs one-sidedly. Nothing to do without staging."""
+        meta = self._connector_metadata
+        if isinstance(meta, KvferryMeta) and self._worker is not None and meta.step.save:
+            self._worker.save(meta.step.save)
 
     def get_finished(self, finished_req_ids: set[str]):
         if self._worker is None:

@@ -137,10 +137,12 @@ class PushEndpoint:
         for a in actions:
             d = self._d.get(a.transfer_id)
             if isinstance(a, RecvReady):
+                ok = True
                 if d is not None:
                     d.ready = True
                     del self._d[a.transfer_id]
-                self.w.report(recvd={a.req_id})
+                    ok = self.w.stage_in(a.req_id, d.block_ids)  # host staging: mirror -> device
+                self.w.report(recvd={a.req_id}, bad_blocks=() if ok else d.block_ids)
             elif isinstance(a, RecvFailed):
                 log.warning("push %s (request %s): %s; recomputing once no WRITE can land",
                             a.transfer_id, a.req_id, a.reason)
@@ -184,6 +186,7 @@ class PushEndpoint:
             if reg.prompt_hash != p.prompt_hash:
                 raise ValueError("D registered a different prompt")
             _, peer = self.w.peer_at(reg.host, reg.port, reg.engine_id)
+            self.w.stage_out(a.src_block_ids)  # host staging: the WRITE reads our mirror
             xfer = self.w.transport.start("WRITE", peer, a.src_block_ids, a.dest_block_ids[0],
                                           messages.encode(messages.Wrote(a.transfer_id, self.w.rank)))
         except Exception as e:

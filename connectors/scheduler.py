@@ -24,6 +24,7 @@ from kvferry.connectors.params import (
     sign,
 )
 from kvferry.connectors.reuse import Decision, RemoteOffer, decide_reuse
+from kvferry.connectors.staged_saves import SaveTracker
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -97,6 +98,9 @@ class StepMeta:
     push_abort_d: list[str] = field(default_factory=list)  # push, D: transfer ids cancelled
     reuse: list[ReuseRead] = field(default_factory=list)  # bidirectional, P
     free: list[str] = field(default_factory=list)  # D: request ids whose lease ended
+    # P, pull with host staging: blocks this step's forward writes, copied device -> host
+    # mirror in wait_for_save so D's one-sided READ finds them (staged_saves.py).
+    save: list[int] = field(default_factory=list)
 
     def has_push(self) -> bool:
         return bool(self.register or self.push_send or self.push_abort_p or self.push_abort_d)
@@ -123,7 +127,8 @@ class TransferScheduler:
     """Scheduler-side state of one engine, for pull and push (P and D roles alike)."""
 
     def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int = 1,
-                 leases: Any = None, reuse: ReuseSettings | None = None, clock: Any = time.time):
+                 leases: Any = None, reuse: ReuseSettings | None = None, clock: Any = time.time,
+                 stage_saves: bool = False):
         self.engine_id = engine_id
         self.host = host
         self.port = port
@@ -141,6 +146,8 @@ class TransferScheduler:
         self._reuse: dict[str, tuple[LeaseOffer, Decision]] = {}  # P: before allocation
         self._reading: dict[str, tuple[int, set[int]]] = {}  # P: reuse READs in flight
         self._reuse_out: dict[str, dict[str, Any]] = {}  # P: what reuse did, per request
+        # P: pull requests' blocks to stage out, when the workers may stage through host DRAM
+        self.saves = SaveTracker(block_size) if stage_saves else None
 
     # -- P side: bidirectional reuse ----------------------------------------------------
     def _reuse_matched(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any],
@@ -236,8 +243,15 @@ class TransferScheduler:
         count = pend.num_tokens - num_computed
         return (count, True) if count > 0 else (0, False)
 
-    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """Blocks exist for the request: queue the READ (or a release if nothing to read)."""
+    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int,
+                    params: Mapping[str, Any] | None = None) -> None:
+        """Blocks exist for the request: queue the READ (or a release if nothing to read).
+
+        ``params`` (the request's kv_transfer_params) marks P-role pull requests, whose
+        blocks host staging must copy to the mirror as the forward fills them."""
+        if (self.saves is not None and params and params.get("do_remote_decode")
+                and not params.get("push")):  # push: P stages right before its WRITE
+            self.saves.allocated(req_id, block_ids)
         if req_id in self._reuse:
             self._reuse_alloc(req_id, block_ids, num_external)
             return
@@ -282,6 +296,8 @@ class TransferScheduler:
         self._rejected.pop(req_id, None)
         self._reuse.pop(req_id, None)
         self._reading.pop(req_id, None)
+        if self.saves is not None:  # staged by the step that computed the prompt (or never)
+            self.saves.drop([req_id])
         reuse_out = self._reuse_out.pop(req_id, {})
         push = self._push.pop(req_id, None)
         if push is not None:  # D push request ended before allocation: P may free
@@ -338,6 +354,16 @@ class TransferScheduler:
                 ok = not (local & invalid_blocks)
                 self._reuse_out[req_id] = {"reused_tokens": n if ok else 0,
                                            "reuse_reason": "ok" if ok else "read_failed"}
+
+    def plan_saves(self, progress: Mapping[str, tuple[int, int]],
+                   grown: Mapping[str, tuple[Sequence[int], bool]] | None = None) -> None:
+        """Host staging, P: this step's (computed, scheduled) tokens per request and blocks
+        added to running requests -> `StepMeta.save`. No-op unless staging may be active."""
+        if self.saves is None:
+            return
+        if grown:
+            self.saves.grew(grown)
+        self._meta.save += self.saves.step(progress)
 
     def take_meta(self) -> StepMeta:
         meta, self._meta = self._meta, StepMeta()

@@ -8,6 +8,13 @@ P side: blocks of a finished prefill wait until D's completion notification (or 
 timeout) and are then reported as finished-sending, which frees them in vLLM.
 D side: each READ ends as finished-receiving; a failed or timed-out READ also reports
 its local block ids as load errors, so vLLM recomputes (or fails, per policy).
+
+Host staging (Neuron without device registration): the layout is a pinned DRAM mirror
+of the device KV and ``staging`` copies between the two. What arrives (a READ here, a
+push WRITE) reaches the device before it is reported received; what leaves is copied out
+before a peer can read it: a push WRITE right before posting, a pull offer's blocks by
+`save` on the engine thread. Without staging (cpu, cuda, Neuron device mode) none of
+this runs.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from kvferry.connectors import messages
 from kvferry.connectors.config import ConnectorConfig
@@ -30,6 +38,12 @@ from kvferry.connectors.transport import Peer, Transfer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
+
+class Staging(Protocol):
+    """Host staging as the worker uses it (kvferry.neuron.staging.HostStaging)."""
+
+    def stage_out(self, block_ids: Iterable[int]) -> Any: ...
+    def stage_in(self, block_ids: Iterable[int]) -> Any: ...
 
 
 @dataclass
@@ -51,8 +65,10 @@ class _Read:
 
 class TransferWorker:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int, layout: KVLayout,
-                 nixl_backends: list[str] | None = None, instance: str = ""):
+                 nixl_backends: list[str] | None = None, instance: str = "",
+                 staging: Staging | None = None):
         self.cfg = cfg
+        self.staging = staging  # None: KV moves straight from/to the registered layout
         self.engine_id = engine_id
         self.rank = rank
         self.instance = instance
@@ -75,13 +91,41 @@ class TransferWorker:
         self.push = PushEndpoint(self)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-xfer-r{rank}", daemon=True)
         self._thread.start()
-        log.info("kvferry worker %s rank %d: %d regions, %d planes, side channel %s",
-                 engine_id, rank, len(layout.regions), len(layout.planes), self._server.address)
+        log.info("kvferry worker %s rank %d: %d regions, %d planes, side channel %s%s",
+                 engine_id, rank, len(layout.regions), len(layout.planes), self._server.address,
+                 "; KV staged through host DRAM" if staging is not None else "")
 
     # -- engine thread -----------------------------------------------------------------
     def submit(self, meta: StepMeta) -> None:
         if meta.recv or meta.send or meta.reuse or meta.free or meta.has_push():
             self._inbox.put(meta)
+
+    def save(self, block_ids: Sequence[int]) -> None:
+        """Engine thread, after the forward: copy these blocks device -> host mirror.
+
+        Raises on failure: the offer for these blocks is about to be published and D would
+        READ a stale mirror, a wrong answer; failing the step is the honest outcome.
+        """
+        if self.staging is not None and block_ids:
+            self.staging.stage_out(block_ids)
+
+    def stage_in(self, req_id: str, block_ids: Sequence[int]) -> bool:
+        """Transfer thread: blocks that landed in the host mirror -> device, before they
+        are reported received. False (logged) if the copy failed: report them bad."""
+        if self.staging is None or not block_ids:
+            return True
+        try:
+            self.staging.stage_in(block_ids)
+        except Exception as e:
+            log.warning("request %s: host -> device copy of %d blocks failed (%s); recomputing",
+                        req_id, len(block_ids), e)
+            return False
+        return True
+
+    def stage_out(self, block_ids: Sequence[int]) -> None:
+        """Transfer thread: device -> host mirror before our WRITE reads it (push, P)."""
+        if self.staging is not None and block_ids:
+            self.staging.stage_out(block_ids)
 
     def results(self) -> _Results:
         with self._lock:
@@ -206,7 +250,8 @@ class TransferWorker:
                          "reuse READ" if rd.strict else "READ", req_id,
                          len(rd.task.local_block_ids), rd.xfer.nbytes, rd.xfer.ndesc,
                          (now - rd.started) * 1e3)
-                self.report(recvd={req_id})
+                ok = self.stage_in(req_id, rd.task.local_block_ids)
+                self.report(recvd={req_id}, bad_blocks=() if ok else rd.task.local_block_ids)
             else:
                 log.warning("request %s: READ %s; recomputing", req_id,
                             "failed" if state == "ERR" else "timed out")

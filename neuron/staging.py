@@ -6,6 +6,13 @@ still move: we mirror every device KV array in pinned host DRAM, register the mi
 DRAM, copy device -> host before a peer reads (or before we write), and host -> device
 after data arrived. Each copy is timed and logged, because this path costs two PCIe
 crossings per transfer and operators should see that in their logs, not guess it.
+
+Who copies when (connectors/): D stages in after a READ completes, or when every push
+WRITE landed, before reporting the request received (worker.py, push_worker.py); push P
+stages out right before posting its WRITE; pull P stages out in ``wait_for_save`` the
+blocks each step's forward wrote (staged_saves.py), so the mirror is current before the
+offer leaves. Decode leases are never granted while staging may be active: a leased
+block's mirror would miss every later decode step.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -108,10 +116,14 @@ class HostStaging:
         self.buffers = [PinnedBuffer(r.length) for r in device.regions]
         regions = tuple(Region(b.addr, r.length, 0, DRAM)
                         for b, r in zip(self.buffers, device.regions, strict=True))
+        # fmt carries over: a mirror must pair with a peer's device layout (mixed modes).
         planes = tuple(Plane(p.region, regions[p.region].addr + (p.base - device.regions[p.region].addr),
-                             p.stride, p.block_bytes, p.num_blocks) for p in device.planes)
+                             p.stride, p.block_bytes, p.num_blocks, p.fmt) for p in device.planes)
         self.layout = KVLayout(regions, planes, device.num_blocks, device.block_size)
         self.stats = StagingStats()
+        # The engine thread stages out (pull, P) while the transfer thread stages in/out
+        # (D, push): the copies touch disjoint blocks, only the counters are shared.
+        self._stats_lock = threading.Lock()
 
     # -- copies ---------------------------------------------------------------------
     def stage_out(self, block_ids: Iterable[int] | None = None) -> tuple[int, float]:
@@ -137,10 +149,11 @@ class HostStaging:
                     self.copy(direction, owner, dev_addr - owner.va, hp.block_addr(b), nbytes)
                     total += nbytes
         ms = (time.perf_counter() - t0) * 1e3
-        self.stats.transfers += 1
-        self.stats.bytes += total
-        self.stats.ms += ms
-        self.stats.last = {"bytes": total, "ms": ms}
+        with self._stats_lock:
+            self.stats.transfers += 1
+            self.stats.bytes += total
+            self.stats.ms += ms
+            self.stats.last = {"bytes": total, "ms": ms}
         gbps = total / ms / 1e6 if ms > 0 else float("inf")
         log.info("neuron host staging %s: %d bytes, %d block runs, %.3f ms (%.2f GB/s)",
                  direction, total, len(runs), ms, gbps)
