@@ -33,6 +33,18 @@ def bench(targets: list[str], args, experiment: str) -> None:
     subprocess.run(cmd, check=False, timeout=args.budget_s)
 
 
+def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> None:
+    t0 = time.monotonic()
+    with pd_stack(model, tmp / "logs", backend="cuda", engine_args=engine_args) as s:
+        print(f"kvferry stack up in {time.monotonic() - t0:.0f}s", flush=True)
+        bench([f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
+               f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
+               f"colocated={s.prefill.url},impl=colocated,mode=colocated"], args, "push_vs_pull")
+        for e in (s.prefill, s.decode):
+            lines = [ln for ln in e.log().splitlines() if "kvferry WRITE" in ln or "kvferry READ" in ln]
+            print(e.role, len(lines), "transfers; last:", lines[-2:], flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-0.6b")
@@ -43,20 +55,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--only-vllm", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
     engine_args = ("--max-model-len", "20000", "--no-enable-prefix-caching",
                    "--gpu-memory-utilization", "0.85")
-    t0 = time.monotonic()
-    with pd_stack(model, tmp / "logs", backend="cuda", engine_args=engine_args) as s:
-        print(f"kvferry stack up in {time.monotonic() - t0:.0f}s", flush=True)
-        bench([f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
-               f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
-               f"colocated={s.prefill.url},impl=colocated,mode=colocated"], args, "push_vs_pull")
-        for e in (s.prefill, s.decode):
-            lines = [ln for ln in e.log().splitlines() if "kvferry WRITE" in ln or "kvferry READ" in ln]
-            print(e.role, len(lines), "transfers; last:", lines[-2:], flush=True)
+    if not args.only_vllm:
+        run_kvferry(args, model, tmp, engine_args)
     if not args.skip_vllm:
         t0 = time.monotonic()
         with pd_stack(model, tmp / "logs-vllm", connector="vllm-nixl", backend="cuda",
