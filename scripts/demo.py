@@ -37,6 +37,7 @@ class TurnResult:
     chunks: int
     prefill: str
     decode: str
+    reused: int = 0  # history tokens P read back from D instead of recomputing
 
 
 def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnResult:
@@ -73,7 +74,8 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
     now = time.perf_counter()
     first = ttft or first_event or now
     return TurnResult("".join(parts), first - t0, now - t0, chunks,
-                      headers.get("x-kvferry-prefill", "?"), headers.get("x-kvferry-decode", "?"))
+                      headers.get("x-kvferry-prefill", "?"), headers.get("x-kvferry-decode", "?"),
+                      int(headers.get("x-kvferry-reused-tokens", "0") or 0))
 
 
 def printable(text: str, limit: int = 160) -> str:
@@ -107,10 +109,12 @@ def run_demo(
                 res = stream_chat(c, url, body)
                 messages.append({"role": "assistant", "content": res.reply})
                 out(f"turn {i}: ttft {res.ttft_s * 1000:.0f} ms, total {res.total_s * 1000:.0f} ms,"
-                    f" {res.chunks} chunks, {len(messages) - 1} messages"
-                    f" (P {res.prefill}, D {res.decode})")
+                    f" {res.chunks} chunks, {len(messages) - 1} messages,"
+                    f" {res.reused} history tokens reused (P {res.prefill}, D {res.decode})")
                 out(f"  user: {question}")
                 out(f"  assistant: {printable(res.reply)}")
+            # End of conversation: D frees the leased blocks now, not at lease expiry.
+            c.delete(url + f"/v1/kvferry/conversations/{conversation_id}")
     except (DemoError, httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as exc:
         out(f"demo failed: {type(exc).__name__}: {exc}")
         return 1
