@@ -1,0 +1,178 @@
+"""Two prefill + two decode vLLM CPU engines behind one router (issue #6, CPU part).
+
+The router spreads requests over both P and both D (least in flight, ties round-robin),
+pull and push alike, and keeps each conversation on the D that holds its leased KV.
+Every answer must equal a colocated run on one P engine.
+
+Layout on a 2-core host: each core hosts one P and one D (P0+D1 on the first core,
+P1+D0 on the second), every engine pinned to its core with passive OMP waits, so two
+engines sharing a core take turns instead of spinning against each other. P engines run
+without prefix caching so that conversation turns must READ their history back from D.
+"""
+
+from __future__ import annotations
+
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from helpers_http import serve
+from stack import STARTUP_S, Engine, assert_same_output, complete, prompt, start_engine, wait_until
+from test_e2e_reuse import expected_reuse, out_tokens, reused_of
+
+from kvferry.router.app import create_app
+from kvferry.router.settings import RouterSettings
+from kvferry.scripts.engines import available_cpus
+from kvferry.scripts.procs import stop_all, wait_healthy
+
+pytestmark = pytest.mark.engine
+
+# Four engines on two cores are slow (each engine's NIXL progress thread also busy-polls
+# its core): timeouts generous enough that no transfer falls back to recompute.
+EXTRA = {"handshake_timeout_s": 20, "recv_timeout_s": 60, "send_timeout_s": 120,
+         "push_hold_timeout_s": 60, "push_register_timeout_s": 60, "push_recv_timeout_s": 90,
+         "push_quarantine_s": 1, "lease_free_grace_s": 10, "lease_margin_s": 10,
+         "reuse_read_timeout_s": 8}
+
+
+@dataclass
+class Cluster:
+    prefills: list[Engine]
+    decodes: list[Engine]
+    router: str
+    model: str
+
+    @property
+    def engines(self) -> list[Engine]:
+        return self.prefills + self.decodes
+
+    def colocated(self, toks: list[int]) -> dict:
+        """The reference: P0 serves the whole request itself (no kv params)."""
+        return complete(self.prefills[0].url, self.model, toks)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from kvferry.connectors.config import ConnectorConfig
+    from kvferry.scripts.modelgen import write_model
+
+    ConnectorConfig.from_extra(EXTRA)  # fail here, not after four engine start-ups
+    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    logs = tmp_path_factory.mktemp("logs")
+    secret = secrets.token_hex(16)
+    cpus = available_cpus()
+    a, b = cpus[0], cpus[-1]  # one core: all four share it (slow, still correct)
+    with ExitStack() as stack:
+        children: list = []
+        stack.callback(stop_all, children)
+
+        def start(role: str, cpu: int, args: tuple[str, ...] = ()) -> Engine:
+            e = start_engine(role, model, logs, secret, extra=EXTRA, cpus=(cpu,),
+                             engine_args=args)
+            children.append(e.child)
+            return e
+
+        no_cache = ("--no-enable-prefix-caching",)
+        ps = [start("prefill", a, no_cache), start("prefill", b, no_cache)]
+        ds = [start("decode", b), start("decode", a)]
+        wait_healthy(children, STARTUP_S)
+        # An engine's first forward is slow (kernel set-up) and starves its side-channel
+        # thread: warm every engine up before the transfers' handshakes depend on it.
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda e: complete(e.url, model, prompt(200, 0), max_tokens=2),
+                          ps + ds))
+        settings = RouterSettings(
+            prefill_urls=[p.url for p in ps], decode_urls=[d.url for d in ds],
+            prefill_kv_addrs=[f"127.0.0.1:{p.side_port}" for p in ps],
+            decode_control_addrs=[f"127.0.0.1:{d.control_port}" for d in ds],
+            prefill_timeout_s=120, decode_timeout_s=120)
+        router = stack.enter_context(serve(create_app(settings, secret.encode())))
+        yield Cluster(ps, ds, router, model)
+
+
+def send(cluster: Cluster, toks: list[int], mode: str, cid: str | None = None
+         ) -> tuple[dict, httpx.Headers]:
+    body = {"model": cluster.model, "prompt": toks, "max_tokens": 12, "temperature": 0,
+            "logprobs": 5, "return_token_ids": True}
+    if cid is not None:
+        body["conversation_id"] = cid
+    r = httpx.post(cluster.router + "/v1/completions", json=body, timeout=180,
+                   headers={"x-kvferry-mode": mode})
+    r.raise_for_status()
+    return r.json(), r.headers
+
+
+def total(engines: list[Engine], count) -> float:
+    return sum(count(e) for e in engines)
+
+
+def test_requests_spread_over_both_pairs(cluster):
+    """Six concurrent requests (pull and push interleaved) use both P and both D."""
+    jobs = [(n, "pull" if i % 2 == 0 else "push") for i, n in
+            enumerate((200, 1300, 129, 700, 900, 450))]
+    toks = {n: prompt(n, 1000 + n) for n, _ in jobs}
+    want = {n: cluster.colocated(t) for n, t in toks.items()}
+    reads = total(cluster.decodes, Engine.reads)
+    writes = total(cluster.prefills, lambda e: e.log_count("kvferry WRITE "))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futs = {n: pool.submit(send, cluster, toks[n], mode) for n, mode in jobs}
+        got = {n: f.result() for n, f in futs.items()}
+    for n, (resp, _) in got.items():
+        assert_same_output(resp, want[n])
+    used_p = {h["x-kvferry-prefill"] for _, h in got.values()}
+    used_d = {h["x-kvferry-decode"] for _, h in got.values()}
+    assert used_p == {p.url for p in cluster.prefills}, used_p
+    assert used_d == {d.url for d in cluster.decodes}, used_d
+    # Every request moved its KV: pulls as D READs, pushes as P WRITEs.
+    assert total(cluster.decodes, Engine.reads) - reads == 3
+    assert total(cluster.prefills, lambda e: e.log_count("kvferry WRITE ")) - writes == 3
+    for e in cluster.engines:
+        wait_until(lambda e=e: e.kv_usage() == 0, 30, f"{e.role} {e.url} to free its blocks")
+
+
+def converse(cluster: Cluster, cid: str, mode: str, seed: int, turns: int = 3) -> list:
+    """`turns` turns of one conversation; each checked against colocated."""
+    out: list = []
+    toks = prompt(300, seed)
+    for i in range(turns):
+        if out:
+            prev_toks, prev_resp, _ = out[-1]
+            toks = prev_toks + out_tokens(prev_resp) + prompt(150, seed * 100 + i)
+        resp, headers = send(cluster, toks, mode, cid)
+        assert_same_output(resp, cluster.colocated(toks))
+        out.append((toks, resp, headers))
+    return out
+
+
+def test_conversations_stick_to_their_decode_and_reuse(cluster):
+    """Two concurrent conversations (one pull, one push): each stays on one D, every turn
+    after the first READs its history back from that D."""
+    with ThreadPoolExecutor(2) as pool:
+        futs = {cid: pool.submit(converse, cluster, cid, mode, seed)
+                for cid, mode, seed in (("conv-a", "pull", 21), ("conv-b", "push", 22))}
+        hists = {cid: f.result() for cid, f in futs.items()}
+    homes = {}
+    for cid, hist in hists.items():
+        ds = [h["x-kvferry-decode"] for _, _, h in hist]
+        assert len(set(ds)) == 1, f"{cid} moved between decoders: {ds}"
+        homes[cid] = ds[0]
+        assert reused_of(hist[0][2]) == 0
+        for (pt, pr, _), (nt, _, nh) in zip(hist, hist[1:], strict=False):
+            want = expected_reuse(pt, out_tokens(pr), nt)
+            assert want > 0
+            assert reused_of(nh) == want, f"{cid}: reused {reused_of(nh)}, expected {want}"
+        r = httpx.get(cluster.router + f"/v1/kvferry/conversations/{cid}", timeout=10)
+        assert r.status_code == 200 and r.json()["decode"] == homes[cid]
+    # Turn 1 of each took the next D round-robin (or the idle one): they live apart.
+    assert homes["conv-a"] != homes["conv-b"], homes
+
+
+def test_release_frees_every_engine(cluster):
+    for cid in ("conv-a", "conv-b"):
+        r = httpx.delete(cluster.router + f"/v1/kvferry/conversations/{cid}", timeout=10)
+        assert r.json() == {"released": True}
+    for e in cluster.engines:
+        wait_until(lambda e=e: e.kv_usage() == 0, 30, f"{e.role} {e.url} to free every block")
