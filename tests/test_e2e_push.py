@@ -9,8 +9,20 @@ import threading
 import time
 import uuid
 
+import httpx
 import pytest
-from stack import assert_same_output, complete, free_port, prompt, tiny_stack, wait_until
+from stack import (
+    STARTUP_S,
+    assert_same_output,
+    complete,
+    free_port,
+    prompt,
+    start_engine,
+    tiny_stack,
+    wait_until,
+)
+
+from kvferry.scripts.procs import stop_all, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -135,3 +147,108 @@ def test_push_through_router(stack):
         assert stack.prefill.log_count("kvferry WRITE ") == writes_before + 1
     wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITEs")
     assert stack.decode.kv_usage() == 0
+
+
+def test_retry_after_cancelled_decode(stack):
+    """Attempt 1's D leg is cancelled (client timeout) while it waits for P's WRITE; the
+    retry runs under a new transfer id, as the router mints one per attempt. Attempt 1's
+    P leg, arriving late, is freed without a WRITE; the retry's output equals colocated."""
+    toks = prompt(800, 11)
+    want = complete(stack.prefill.url, stack.model, toks)
+    tid1, p1, d1 = legs(stack)
+    gave_up: dict = {}
+
+    def attempt1() -> None:
+        try:
+            complete(stack.decode.url, stack.model, toks, kv_transfer_params=d1, timeout=3)
+        except httpx.TimeoutException as e:
+            gave_up["exc"] = e
+
+    th = threading.Thread(target=attempt1)
+    th.start()
+    wait_log(stack.prefill, f"push {tid1}: registration")  # D holds blocks for tid1
+    th.join(30)
+    assert "exc" in gave_up, "attempt 1 finished before the client gave up"
+    # vLLM aborts the D request; D tells P, which rejects the registration at once (not
+    # after its register timeout), and D frees the destination blocks.
+    wait_log(stack.prefill, f"push {tid1}: rejecting D's registration: aborted on P",
+             EXTRA["push_register_timeout_s"] - 2)
+    wait_until(lambda: stack.decode.kv_usage() == 0, 10, "D to free attempt 1's blocks")
+    complete(stack.prefill.url, stack.model, toks, max_tokens=1, kv_transfer_params=p1)
+    wait_until(lambda: stack.prefill.kv_usage() == 0, 5, "P to free attempt 1's late prefill")
+    # The retry, router order: D registers first, P computes.
+    tid2, p2, d2 = legs(stack)
+    out: dict = {}
+    th = run_d(stack, toks, d2, out)
+    wait_log(stack.prefill, f"push {tid2}: registration")
+    complete(stack.prefill.url, stack.model, toks, max_tokens=1, kv_transfer_params=p2)
+    th.join(60)
+    assert_same_output(out["resp"], want)
+    assert writes(stack, tid1) == 0 and writes(stack, tid2) == 1
+    wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITE")
+    wait_until(lambda: stack.decode.kv_usage() == 0, 20, "D to free after the answer")
+
+
+def test_stale_transfer_id_never_gets_old_kv(stack):
+    """A D request presenting an old, completed transfer id (another prompt of the same
+    length) must not be served the old KV: D knows the id ended and recomputes at once."""
+    a, b = prompt(600, 12), prompt(600, 13)
+    want_a = complete(stack.prefill.url, stack.model, a)
+    want_b = complete(stack.prefill.url, stack.model, b)
+    tid, p, d = legs(stack)
+    complete(stack.prefill.url, stack.model, a, max_tokens=1, kv_transfer_params=p)
+    assert_same_output(complete(stack.decode.url, stack.model, a, kv_transfer_params=d), want_a)
+    assert writes(stack, tid) == 1
+    wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITE")
+    stale = stack.decode.log_count(f"push {tid} .*stale transfer id")
+    t0 = time.monotonic()
+    got = complete(stack.decode.url, stack.model, b, kv_transfer_params=d)
+    assert_same_output(got, want_b)
+    assert time.monotonic() - t0 < EXTRA["push_register_timeout_s"], "D waited for a WRITE"
+    assert stack.decode.log_count(f"push {tid} .*stale transfer id") == stale + 1
+    assert writes(stack, tid) == 1, "P wrote an ended transfer again"
+    wait_until(lambda: stack.decode.kv_usage() == 0, 10, "D to free the stale request")
+    assert stack.prefill.kv_usage() == 0
+
+
+def test_preempted_push_request_recomputes(stack):
+    """D preempts a request whose KV P pushed: it resumes by recomputing (one transfer
+    attempt per request), with the same output and every block freed.
+
+    A second D with a 12-block KV cache (plus vLLM's null block) and priority scheduling:
+    A (pushed, 7 blocks, low priority) runs; B (local, 5 blocks) fills the cache and needs
+    a sixth block 4 tokens in, so vLLM preempts A, the lowest priority.
+    """
+    logs = stack.prefill.child.log_path.parent
+    small = start_engine("decode", stack.model, logs, stack.secret, extra=EXTRA, cpus=(1,),
+                         engine_args=("--num-gpu-blocks-override", "13",
+                                      "--max-model-len", "1536",
+                                      "--scheduling-policy", "priority"))
+    try:
+        wait_healthy([small.child], STARTUP_S)
+        a, b = prompt(770, 14), prompt(636, 15)
+        want_a = complete(stack.prefill.url, stack.model, a, max_tokens=100)
+        want_b = complete(stack.prefill.url, stack.model, b, max_tokens=40)
+        tid, p, d = legs(stack)
+        complete(stack.prefill.url, stack.model, a, max_tokens=1, kv_transfer_params=p)
+        preempted = small.metric("vllm:num_preemptions_total")
+        out: dict = {}
+
+        def run_a() -> None:
+            out["a"] = complete(small.url, stack.model, a, max_tokens=100, priority=10,
+                                kv_transfer_params=d)
+
+        th = threading.Thread(target=run_a)
+        th.start()
+        wait_log(stack.prefill, f"kvferry WRITE {tid}")  # A's KV landed: A runs
+        got_b = complete(small.url, stack.model, b, max_tokens=40, priority=0)
+        th.join(120)
+        assert small.metric("vllm:num_preemptions_total") > preempted, "nothing was preempted"
+        assert_same_output(out["a"], want_a)
+        assert_same_output(got_b, want_b)
+        assert writes(stack, tid) == 1
+        wait_until(lambda: small.kv_usage() == 0, 10, "small D to free every block")
+        wait_until(lambda: stack.prefill.kv_usage() == 0, 10, "P to free after the WRITE")
+    finally:
+        stop_all([small.child])
+
