@@ -22,6 +22,8 @@ from kvferry.connectors.scheduler import ReuseSettings, StepMeta, TransferSchedu
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
+OFFER_GUARD_S = 5.0  # a pull offer expires this long before P may free its blocks
+
 
 class KvferryMeta(KVConnectorMetadata):
     def __init__(self, step: StepMeta):
@@ -56,6 +58,8 @@ class KvferryConnector(KVConnectorBase_V1):
                 leases=None if host_staging else self._lease_keeper(vllm_config, kv_cache_config, tp),
                 reuse=ReuseSettings(cfg.kv_recompute_threshold, cfg.lease_margin_s,
                                     cfg.reuse_read_timeout_s),
+                # P frees unread blocks send_timeout_s after the prefill; offers end earlier.
+                offer_ttl=max(cfg.send_timeout_s - OFFER_GUARD_S, cfg.send_timeout_s / 2),
                 stage_saves=host_staging)
 
     def _host_staging_possible(self) -> bool:

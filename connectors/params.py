@@ -39,6 +39,9 @@ class RemotePrefill(msgspec.Struct, forbid_unknown_fields=False):
     transfer_id: str = ""
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
+    # Wall clock after which P may have freed the blocks (0: no limit): D never starts,
+    # nor accepts the end of, a READ past it, so it can never load reused blocks.
+    expiry: float = 0.0
 
 
 def secret() -> bytes:

@@ -128,7 +128,7 @@ class TransferScheduler:
 
     def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int = 1,
                  leases: Any = None, reuse: ReuseSettings | None = None, clock: Any = time.time,
-                 stage_saves: bool = False):
+                 stage_saves: bool = False, offer_ttl: float = 0.0):
         self.engine_id = engine_id
         self.host = host
         self.port = port
@@ -143,6 +143,7 @@ class TransferScheduler:
         self.leases = leases  # D: LeaseKeeper (bidirectional reuse), or None
         self.reuse_settings = reuse or ReuseSettings()
         self.clock = clock
+        self.offer_ttl = offer_ttl  # P: pull offers expire this long after the prefill
         self._reuse: dict[str, tuple[LeaseOffer, Decision]] = {}  # P: before allocation
         self._reading: dict[str, tuple[int, set[int]]] = {}  # P: reuse READs in flight
         self._reuse_out: dict[str, dict[str, Any]] = {}  # P: what reuse did, per request
@@ -336,6 +337,7 @@ class TransferScheduler:
             remote_block_ids=list(block_ids), remote_request_id=req_id,
             remote_num_tokens=len(prompt), prompt_hash=prompt_hash(prompt),
             remote_tp_size=self.tp_size, transfer_id=str(params.get("transfer_id", "")),
+            expiry=self.clock() + self.offer_ttl if self.offer_ttl > 0 else 0.0,
         )
         self._meta.send.append(req_id)
         self.waiting_send.add(req_id)

@@ -196,6 +196,11 @@ class TransferWorker:
             if task.release_only:
                 self.transport.notify(peer, notif)
                 return
+            budget = self.cfg.recv_timeout_s
+            if task.offer.expiry:
+                budget = min(budget, task.offer.expiry - time.time())
+                if budget <= 0:
+                    raise ValueError("offer expired: P may have freed those blocks")
             xfer = self.transport.start("READ", peer, task.local_block_ids,
                                         task.remote_block_ids, notif)
         except Exception as e:  # any failure of one request must end in a recompute, not a hang
@@ -212,8 +217,9 @@ class TransferWorker:
                 self._release(peer, notif)  # bad ids, good peer: let P free now
             self._fail(task)
             return
-        self._reads[task.req_id] = _Read(task, xfer, now + self.cfg.recv_timeout_s, now,
-                                         f"{task.offer.remote_engine_id}/{self.rank}")
+        self._reads[task.req_id] = _Read(task, xfer, now + budget, now,
+                                         f"{task.offer.remote_engine_id}/{self.rank}",
+                                         strict=bool(task.offer.expiry))
 
     def _start_reuse(self, rr: ReuseRead, now: float) -> None:
         """P: READ D's leased blocks; any failure means recompute, never a wrong answer."""

@@ -274,3 +274,30 @@ def test_recv_task_dataclass_defaults():
                       remote_request_id="r", remote_num_tokens=0, prompt_hash="")
     t = RecvTask("r", [], [], o)
     assert t.release_only is False
+
+
+def test_expired_offer_is_never_read_and_p_is_released(engines):
+    """P may free unread blocks after its send timeout; an offer past its signed expiry
+    must never be read (those blocks may hold another request's KV by then)."""
+    p, d = engines("P", seed=11), engines("D")
+    p.sched.offer_ttl = 30.0
+    p.sched.clock = lambda: time.time() - 31.0  # the prefill finished 31 s ago
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    assert 0 < offer["expiry"] < time.time()
+    p.worker.submit(p.sched.take_meta())
+    d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
+    got = d.collect(lambda r: "d-req" in r.recvd, 5)
+    assert got.bad_blocks == set(D_BLOCKS)  # recomputed
+    assert not any(t.any() for t in d.kv.values())  # nothing was read
+    assert p.collect(lambda r: "p-req" in r.sent, 5).sent == {"p-req"}  # P told to free
+
+
+def test_live_offer_carries_its_expiry_and_reads(engines):
+    p, d = engines("P", seed=12), engines("D")
+    p.sched.offer_ttl = 30.0
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    assert time.time() + 25 < offer["expiry"] <= time.time() + 30
+    p.worker.submit(p.sched.take_meta())
+    d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
+    got = d.collect(lambda r: "d-req" in r.recvd, 10)
+    assert got.recvd == {"d-req"} and got.bad_blocks == set()
