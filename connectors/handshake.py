@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -22,22 +23,24 @@ class HandshakeError(RuntimeError):
     pass
 
 
-class HandshakeServer:
-    """Answers every request with the same payload, from a daemon thread."""
+class ReplyServer:
+    """A ZMQ REP socket answering each request with ``reply(request)``, from a daemon
+    thread; one bad peer never stops it. Shared by the handshake and lease control."""
 
-    def __init__(self, host: str, port: int, payload: dict[str, Any]):
-        self._blob = msgspec.msgpack.encode(payload)
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.REP)
+    def __init__(self, host: str, port: int, reply: Callable[[bytes], bytes], name: str):
+        self._reply = reply
+        self._sock = zmq.Context.instance().socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
             self._sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
             self._sock.close()
-            raise HandshakeError(f"cannot bind side channel {host}:{port}: {e}") from e
+            raise HandshakeError(f"cannot bind {name} {host}:{port}: {e}") from e
         self.address = f"{host}:{port}"
+        self._name = name
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kvferry-handshake", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"kvferry-{name.replace(' ', '-')}",
+                                        daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
@@ -47,15 +50,22 @@ class HandshakeServer:
             if not dict(poller.poll(200)):
                 continue
             try:
-                self._sock.recv()
-                self._sock.send(self._blob)
-            except zmq.ZMQError as e:  # keep serving: one bad peer must not kill the channel
-                log.warning("handshake serve: %s", e)
+                self._sock.send(self._reply(self._sock.recv()))
+            except zmq.ZMQError as e:
+                log.warning("%s serve: %s", self._name, e)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=1)
         self._sock.close()
+
+
+class HandshakeServer(ReplyServer):
+    """Answers every request with the same payload (agent metadata and KV layout)."""
+
+    def __init__(self, host: str, port: int, payload: dict[str, Any]):
+        blob = msgspec.msgpack.encode(payload)
+        super().__init__(host, port, lambda _req: blob, "side channel")
 
 
 def fetch(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:

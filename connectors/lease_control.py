@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import logging
 import math
-import threading
 import time
 from typing import Any
 
@@ -22,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvferry.connectors.handshake import ReplyServer
 from kvferry.connectors.lease import LeaseError
 from kvferry.connectors.params import secret
 
@@ -83,36 +83,13 @@ def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None
         return {"ok": False, "error": f"internal: {e}"}
 
 
-class ControlServer:
+class ControlServer(ReplyServer):
     """Serves `handle` for one keeper from a daemon thread."""
 
     def __init__(self, keeper: Any, host: str, port: int) -> None:
         self.keeper = keeper
-        self._sock = zmq.Context.instance().socket(zmq.REP)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://{host}:{port}")
-        self.address = f"{host}:{port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kvferry-lease-control",
-                                        daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not dict(poller.poll(200)):
-                continue
-            try:
-                blob = self._sock.recv()
-                self._sock.send(msgspec.msgpack.encode(handle(self.keeper, blob)))
-            except zmq.ZMQError as e:
-                log.warning("lease control: %s", e)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=1)
-        self._sock.close()
+        super().__init__(host, port, lambda blob: msgspec.msgpack.encode(handle(self.keeper, blob)),
+                         "lease control")
 
 
 async def call(host: str, port: int, op: str, lease_id: str, ttl: float | None = None,

@@ -13,12 +13,13 @@ import hashlib
 import hmac
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 SECRET_ENV = "KVFERRY_SECRET"
 SIG = "kvferry_sig"
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class InvalidParams(ValueError):
@@ -88,18 +89,23 @@ def parse_offer(params: Mapping[str, Any], key: bytes | None = None) -> RemotePr
     k = secret() if key is None else key
     if not k:
         raise InvalidParams(f"{SECRET_ENV} is not set on this engine: offers cannot be verified")
-    try:
-        offer = msgspec.convert({k: v for k, v in params.items() if k in RemotePrefill.__struct_fields__},
-                                RemotePrefill)
-    except msgspec.ValidationError as e:
-        raise InvalidParams(f"malformed offer: {e}") from e
-    if not hmac.compare_digest(sig, _mac(offer, k)):
-        raise InvalidParams("offer signature does not match (tampered or another deployment)")
+    offer = _verified(params, RemotePrefill, sig, k, "offer")
     if any(b < 0 for b in offer.remote_block_ids):
         raise InvalidParams("negative block id in offer")
     if offer.remote_tp_size < 1 or not 0 < offer.remote_port < 65536:
         raise InvalidParams("offer has an invalid tp size or port")
     return offer
+
+
+def _verified(params: Mapping[str, Any], cls: type[S], sig: str, key: bytes, what: str) -> S:
+    """The struct's own fields of ``params``, type-checked, with a matching MAC."""
+    try:
+        obj = msgspec.convert({f: v for f, v in params.items() if f in cls.__struct_fields__}, cls)
+    except msgspec.ValidationError as e:
+        raise InvalidParams(f"malformed {what}: {e}") from e
+    if not hmac.compare_digest(sig, _mac(obj, key)):
+        raise InvalidParams(f"{what} signature does not match (tampered or another deployment)")
+    return obj
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -143,13 +149,7 @@ def parse_lease(params: Any, key: bytes | None = None) -> LeaseOffer:
         raise InvalidParams(f"{SECRET_ENV} is not set on this engine: offers cannot be verified")
     if not isinstance(sig, str) or len(sig) != 64 or not sig.isascii():
         raise InvalidParams("reuse offer is not signed by a kvferry decode engine")
-    try:
-        offer = msgspec.convert({f: v for f, v in params.items() if f in LeaseOffer.__struct_fields__},
-                                LeaseOffer)
-    except msgspec.ValidationError as e:
-        raise InvalidParams(f"malformed reuse offer: {e}") from e
-    if not hmac.compare_digest(sig, _mac(offer, k)):
-        raise InvalidParams("reuse offer signature does not match")
+    offer = _verified(params, LeaseOffer, sig, k, "reuse offer")
     if any(b < 0 for b in offer.block_ids) or offer.block_size <= 0 or offer.num_tokens < 0:
         raise InvalidParams("reuse offer has negative ids or sizes")
     if offer.tp_size < 1 or not 0 < offer.port < 65536:
