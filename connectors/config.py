@@ -16,6 +16,9 @@ class ConnectorConfig(BaseModel):
     transfer_mode: Literal["pull", "push"] = "pull"  # default when a request does not say
     neuron_staging: Literal["auto", "device", "host"] = "auto"  # neuron: register HBM or stage
     nixl_backends: list[str] | None = None  # default: the memory backend's choice
+    # Upper bound (µs) on an idle NIXL progress thread's wait for events; 0 = nixl's
+    # default, a thread that busy-polls one core per engine rank.
+    nixl_progress_delay_us: int = Field(1000, ge=0)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = Field(5600, ge=1, le=65535)  # + tp rank
     handshake_timeout_s: float = Field(5.0, gt=0)

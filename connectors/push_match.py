@@ -15,6 +15,8 @@ P side (`PushMatcher`) guarantees:
 - exactly one `FreeBlocks` per accepted ``prefill_done`` (after the write, its failure, a
   hold timeout or an abort); blocks under an in-flight WRITE are freed only when the
   transport reports ``write_done``/``write_failed``, never earlier;
+- a second P request (another ``owner``) carrying a transfer id that is live or ended
+  gets its blocks freed at once and never touches the first one's transfer;
 - a `Reject` to D whenever its registration will not be served, so D recomputes at once
   instead of waiting for its own timeout. A Reject is also P's promise that no (further)
   WRITE for that transfer id will land: the transport must report ``write_failed`` only
@@ -71,6 +73,7 @@ class StartWrite:
     dest_block_ids: tuple[tuple[int, ...], ...]  # per D rank, trimmed to what is written
     first_token: int
     num_tokens: int
+    owner: str = ""  # P's engine request id whose blocks are read
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class FreeBlocks:
     req_id: str
     block_ids: tuple[int, ...]
     reason: str
+    owner: str = ""  # P's engine request id that holds the blocks
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class _Pending:
     prefilled_at: float = 0.0
     writing: bool = False
     abort_requested: bool = False
+    owner: str = ""
+    refused: frozenset[str] = frozenset()  # other owners already freed for this id
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,7 @@ class _Ended:
     reason: str  # done | aborted | hold_timeout | register_timeout | write_failed | invalid
     had_prefill: bool  # a prefill_done was accepted (and its blocks freed)
     at: float
+    owners: frozenset[str] = frozenset()  # whose prefill_done was seen (and freed)
 
 
 class _Tombstones:
@@ -135,7 +142,7 @@ class _Tombstones:
     def sweep(self, now: float) -> None:
         for key, e in list(self._d.items()):
             if e.at == -math.inf:  # ended before any clock was seen: start its TTL now
-                self._d[key] = _Ended(e.reason, e.had_prefill, now)
+                self._d[key] = _Ended(e.reason, e.had_prefill, now, e.owners)
             elif now - e.at >= self.ttl:
                 del self._d[key]
             else:
@@ -231,18 +238,27 @@ class PushMatcher:
         return self._match(transfer_id, p)
 
     def prefill_done(self, transfer_id: str, req_id: str, block_ids: Sequence[int],
-                     num_tokens: int, now: float) -> list[PushAction]:
-        """P finished prefill; its blocks ``block_ids`` (token order) hold ``num_tokens``."""
+                     num_tokens: int, now: float, owner: str = "") -> list[PushAction]:
+        """P finished prefill; its blocks ``block_ids`` (token order) hold ``num_tokens``.
+
+        ``owner`` is P's own request id. The same owner twice is a duplicate event; another
+        owner with a transfer id already in use (a client replaying parameters) is refused
+        by freeing its blocks at once."""
         self._seen(now)
         src = tuple(block_ids)
         if (ended := self._ended.get(transfer_id)) is not None:
-            if ended.had_prefill:
+            if owner in ended.owners:
                 return []  # duplicate: these blocks were already freed once
-            self._ended.add(transfer_id, _Ended(ended.reason, True, self._now))
-            return [FreeBlocks(transfer_id, req_id, src, f"transfer {ended.reason}")]
+            self._ended.add(transfer_id, _Ended(ended.reason, True, self._now,
+                                                ended.owners | {owner}))
+            return [FreeBlocks(transfer_id, req_id, src, f"transfer {ended.reason}", owner)]
         p = self._live.get(transfer_id)
         if p is not None and p.src is not None:
-            return []  # duplicate completion: no second write, no second free
+            if owner == p.owner or owner in p.refused:
+                return []  # duplicate completion: no second write, no second free
+            p.refused |= {owner}
+            return [FreeBlocks(transfer_id, req_id, src, "transfer id in use by another request",
+                               owner)]
         out: list[PushAction] = []
         if p is not None and p.req_id != req_id:
             # The waiting registration belongs to another attempt; P's own request wins.
@@ -254,7 +270,7 @@ class PushMatcher:
         why = self._bad_prefill(src, num_tokens)
         if p is None:
             p = self._live[transfer_id] = _Pending(req_id)
-        p.src, p.num_tokens, p.prefilled_at = src, num_tokens, now
+        p.src, p.num_tokens, p.prefilled_at, p.owner = src, num_tokens, now, owner
         if why is not None:
             return out + self._end(transfer_id, "invalid", f"invalid prefill: {why}")
         if p.dest is None:
@@ -268,9 +284,9 @@ class PushMatcher:
         if p is None or not p.writing:
             return []
         del self._live[transfer_id]
-        self._ended.add(transfer_id, _Ended("done", True, self._now))
+        self._ended.add(transfer_id, _Ended("done", True, self._now, p.refused | {p.owner}))
         assert p.src is not None
-        return [FreeBlocks(transfer_id, p.req_id, p.src, "written")]
+        return [FreeBlocks(transfer_id, p.req_id, p.src, "written", p.owner)]
 
     def write_failed(self, transfer_id: str, reason: str, now: float | None = None
                      ) -> list[PushAction]:
@@ -281,12 +297,16 @@ class PushMatcher:
             return []
         return self._end(transfer_id, "write_failed", f"write failed: {reason}")
 
-    def abort(self, transfer_id: str, now: float | None = None) -> list[PushAction]:
-        """P's request was cancelled or preempted: this attempt is over."""
+    def abort(self, transfer_id: str, now: float | None = None, owner: str | None = None
+              ) -> list[PushAction]:
+        """This attempt is over: P's request ``owner`` was cancelled, or (owner None) D
+        cannot be served. An owner that does not hold the transfer changes nothing."""
         self._seen(now)
         if self._ended.get(transfer_id) is not None:
             return []
         p = self._live.get(transfer_id)
+        if p is not None and owner is not None and p.src is not None and p.owner != owner:
+            return []
         if p is None:
             # Nothing seen yet: remember, so a late registration is rejected and a late
             # prefill_done frees its blocks at once.
@@ -362,7 +382,8 @@ class PushMatcher:
         p.writing = True
         lo, hi = dest.first_token // self.block_size, _ceil_div(n, self.block_size)
         return [StartWrite(transfer_id, p.req_id, src[lo:hi], self.block_size, dest,
-                           tuple(ids[:need] for ids in dest.block_ids), dest.first_token, n)]
+                           tuple(ids[:need] for ids in dest.block_ids), dest.first_token, n,
+                           p.owner)]
 
     def _end(self, transfer_id: str, reason: str, detail: str
              ) -> list[PushAction]:
@@ -370,10 +391,11 @@ class PushMatcher:
         p = self._live.pop(transfer_id)
         out: list[PushAction] = []
         if p.src is not None:
-            out.append(FreeBlocks(transfer_id, p.req_id, p.src, detail))
+            out.append(FreeBlocks(transfer_id, p.req_id, p.src, detail, p.owner))
         if p.dest is not None:
             out.append(Reject(transfer_id, p.req_id, p.dest, detail))
-        self._ended.add(transfer_id, _Ended(reason, p.src is not None, self._now))
+        owners = p.refused | {p.owner} if p.src is not None else p.refused
+        self._ended.add(transfer_id, _Ended(reason, p.src is not None, self._now, owners))
         return out
 
 

@@ -89,13 +89,14 @@ class PushEndpoint:
             self._register(task, now)
         for s in meta.push_send:
             p = self._p.setdefault(s.transfer_id, _PReq())
-            p.req_id, p.prompt_hash = s.req_id, s.prompt_hash
-            if p.reg is not None and p.reg.prompt_hash != s.prompt_hash:
-                self._run(self.matcher.abort(s.transfer_id, now))  # registered a different prompt
+            if not p.req_id:  # else another request holds this id: the matcher refuses us
+                p.req_id, p.prompt_hash = s.req_id, s.prompt_hash
+                if p.reg is not None and p.reg.prompt_hash != s.prompt_hash:
+                    self._run(self.matcher.abort(s.transfer_id, now))  # D registered another prompt
             self._run(self.matcher.prefill_done(s.transfer_id, s.transfer_id, s.block_ids,
-                                                s.num_tokens, now))
-        for tid in meta.push_abort_p:
-            self._run(self.matcher.abort(tid, now))
+                                                s.num_tokens, now, owner=s.req_id))
+        for tid, req_id in meta.push_abort_p:
+            self._run(self.matcher.abort(tid, now, owner=req_id))
         for tid in meta.push_abort_d:
             d = self._d.get(tid)
             self._apply(self.receiver.abort(tid, now))
@@ -107,6 +108,13 @@ class PushEndpoint:
     # -- D --------------------------------------------------------------------------------
     def _register(self, task: RegisterTask, now: float) -> None:
         layout = self.w.transport.layout
+        if task.transfer_id in self._d:
+            # Another live request of ours already waits on this transfer id (a replayed
+            # request): P will write only the first one's blocks. Recompute at once.
+            log.warning("request %s: transfer id %s is already in use here; recomputing",
+                        task.req_id, task.transfer_id)
+            self.w.report(recvd={task.req_id}, bad_blocks=task.block_ids)
+            return
         self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port)
         self._apply(self.receiver.expect(task.transfer_id, task.req_id, {self.w.rank}, now))
         reg = messages.Register(
@@ -155,21 +163,29 @@ class PushEndpoint:
     # -- P --------------------------------------------------------------------------------
     def _run(self, actions: list) -> None:
         now = time.monotonic()
-        freed = []
         for a in actions:
             p = self._p.get(a.transfer_id)
             if isinstance(a, StartWrite):
                 self._start_write(a, p, now)
             elif isinstance(a, FreeBlocks):
-                freed.append(a.transfer_id)  # forget after this batch: a Reject may follow
-                if p is not None and p.req_id:
-                    self.w.report(sent={p.req_id})
+                if a.owner:
+                    self.w.report(sent={a.owner})
+                if p is not None and p.req_id != a.owner:
+                    log.warning("push %s: request %s refused (%s)", a.transfer_id, a.owner,
+                                a.reason)
             elif isinstance(a, Reject):
                 log.info("push %s: rejecting D's registration: %s", a.transfer_id, a.reason)
                 reg = p.reg if p is not None else None
                 if reg is not None:
                     self._notify_d(reg, messages.Rejected(a.transfer_id, a.reason))
-        for tid in freed:
+        # Forget P-side state of every transfer the matcher no longer tracks.
+        for tid in {a.transfer_id for a in actions}:
+            if self.matcher.state(tid).startswith("ended"):
+                self._p.pop(tid, None)
+
+    def _forget_unmatched(self, tid: str) -> None:
+        """A registration the matcher ignored or ended leaves no P-side entry behind."""
+        if self.matcher.state(tid) in ("unknown",) or self.matcher.state(tid).startswith("ended"):
             self._p.pop(tid, None)
 
     def _notify_d(self, reg: messages.Register, msg: messages.Message) -> None:
@@ -211,8 +227,12 @@ class PushEndpoint:
                                msg.num_blocks, first_token=msg.first_token)
             if msg.block_size != self.matcher.block_size:
                 self._notify_d(msg, messages.Rejected(msg.transfer_id, "block sizes differ"))
+                p.reg = None  # not served: P's own prefill of this id is freed at once
+                self._run(self.matcher.abort(msg.transfer_id, now))
+                self._forget_unmatched(msg.transfer_id)
                 return
             self._run(self.matcher.registered(msg.transfer_id, msg.transfer_id, dest, now))
+            self._forget_unmatched(msg.transfer_id)
         elif isinstance(msg, messages.Abort):
             self._run(self.matcher.abort(msg.transfer_id, now))
         elif isinstance(msg, messages.Wrote):

@@ -94,7 +94,8 @@ class StepMeta:
     send: list[str] = field(default_factory=list)  # P: request ids whose blocks wait for D
     register: list[RegisterTask] = field(default_factory=list)  # push, D
     push_send: list[PushSend] = field(default_factory=list)  # push, P
-    push_abort_p: list[str] = field(default_factory=list)  # push, P: transfer ids cancelled
+    # push, P: (transfer id, request id) of prefills cancelled before they finished
+    push_abort_p: list[tuple[str, str]] = field(default_factory=list)
     push_abort_d: list[str] = field(default_factory=list)  # push, D: transfer ids cancelled
     reuse: list[ReuseRead] = field(default_factory=list)  # bidirectional, P
     free: list[str] = field(default_factory=list)  # D: request ids whose lease ended
@@ -324,7 +325,7 @@ class TransferScheduler:
             tid = str(params.get("transfer_id", ""))
             if not ok or not block_ids or not tid:
                 if tid:
-                    self._meta.push_abort_p.append(tid)
+                    self._meta.push_abort_p.append((tid, req_id))
                 return False, None
             self._meta.push_send.append(PushSend(req_id, tid, list(block_ids), len(prompt),
                                                  prompt_hash(prompt)))

@@ -10,6 +10,7 @@ exactly one thread (the connector's transfer thread) owns a Transport.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,14 +43,46 @@ class Transfer:
     notif_after: bytes = b""  # sent once every lane is done (multi-lane READs)
 
 
-class Transport:
-    def __init__(self, layout: KVLayout, backends: Sequence[str] = ("UCX",), name: str | None = None):
-        from nixl._api import nixl_agent, nixl_agent_config  # lazy: heavy native import
+_AGENT_LOCK = threading.Lock()
 
+
+def make_agent(name: str, backends: Sequence[str], progress_delay_us: int):
+    """A NIXL agent whose progress thread waits up to ``progress_delay_us`` for events.
+
+    nixl's Python wrapper (1.5.x) builds its agent config with ``pthrDelay = 0``, which
+    makes each agent's progress thread poll in a tight loop: one core per engine rank,
+    spent even when idle (two engines on a 2-core host starve each other). The UCX
+    progress thread sleeps on the workers' event fds, so a delay only bounds how long an
+    idle wait lasts; events still wake it at once. The wrapper offers no knob, so the
+    bound config constructor is wrapped for the duration of this one construction.
+    """
+    import nixl._api as api  # lazy: heavy native import
+
+    conf = api.nixl_agent_config(backends=list(backends))
+    bind = getattr(api, "nixlBind", None)
+    real = getattr(bind, "nixlAgent", None)
+    if progress_delay_us <= 0 or real is None:
+        return api.nixl_agent(name, conf)
+
+    def agent_with_delay(agent_name, cfg):
+        cfg.pthrDelay = progress_delay_us
+        return real(agent_name, cfg)
+
+    with _AGENT_LOCK:
+        bind.nixlAgent = agent_with_delay
+        try:
+            return api.nixl_agent(name, conf)
+        finally:
+            bind.nixlAgent = real
+
+
+class Transport:
+    def __init__(self, layout: KVLayout, backends: Sequence[str] = ("UCX",), name: str | None = None,
+                 progress_delay_us: int = 1000):
         self.layout = layout
         self.name = name or f"kvferry-{uuid.uuid4().hex[:12]}"
         self.backends = list(backends)
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=self.backends))
+        self.agent = make_agent(self.name, self.backends, progress_delay_us)
         missing = [b for b in self.backends if b not in self.agent.backends]
         if missing:
             raise TransferError(

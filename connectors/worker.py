@@ -73,7 +73,8 @@ class TransferWorker:
         self.rank = rank
         self.instance = instance
         self.transport = Transport(layout, nixl_backends or cfg.transport_backends(),
-                                   name=f"kvferry-{engine_id}-r{rank}")
+                                   name=f"kvferry-{engine_id}-r{rank}",
+                                   progress_delay_us=cfg.nixl_progress_delay_us)
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
             "engine_id": engine_id, "rank": rank, "instance": instance,
             "metadata": self.transport.metadata(), "layout": layout.to_wire(),

@@ -407,61 +407,99 @@ def test_receiver_abort_quarantines_without_recv_failed():
     assert r.abort("nope", 1.0) == [] and r.failed("nope", "x", 1.0) == []
 
 
+# -- a transfer id claimed by a second P request ------------------------------------------
+
+def test_second_owner_of_a_live_transfer_is_freed_at_once():
+    pm = m()
+    assert pm.prefill_done("t1", "r1", [1, 2, 3], 40, 0.0, owner="a") == []
+    (f,) = pm.prefill_done("t1", "r1", [7, 8, 9], 40, 0.5, owner="b")
+    assert f == FreeBlocks("t1", "r1", (7, 8, 9), "transfer id in use by another request", "b")
+    assert pm.abort("t1", 0.6, owner="b") == []  # b's abort must not end a's transfer
+    (w,) = pm.registered("t1", "r1", dest(), 1.0)
+    assert isinstance(w, StartWrite) and w.src_block_ids == (1, 2, 3) and w.owner == "a"
+    (f2,) = pm.write_done("t1")
+    assert f2.owner == "a" and f2.block_ids == (1, 2, 3)
+
+
+def test_reusing_a_completed_transfer_id_frees_the_new_blocks():
+    pm = m()
+    pm.registered("t1", "r1", dest(), 0.0)
+    pm.prefill_done("t1", "r1", [1, 2, 3], 40, 0.0, owner="a")
+    pm.write_done("t1")
+    assert pm.prefill_done("t1", "r1", [1, 2, 3], 40, 1.0, owner="a") == []  # duplicate event
+    (f,) = pm.prefill_done("t1", "r1", [4, 5, 6], 40, 2.0, owner="b")  # a replayed request
+    assert (f.owner, f.block_ids, f.reason) == ("b", (4, 5, 6), "transfer done")
+    assert pm.registered("t1", "r1", dest(), 3.0) == []  # no second write into D
+    assert pm.num_live == 0
+
+
+def test_abort_by_the_holding_owner_frees():
+    pm = m()
+    pm.prefill_done("t1", "r1", [1, 2, 3], 40, 0.0, owner="a")
+    (f,) = pm.abort("t1", 1.0, owner="a")
+    assert f.owner == "a" and pm.state("t1") == "ended:aborted"
+
+
 # -- stateful model check ----------------------------------------------------------------
 
 TIDS = [f"t{i}" for i in range(4)]
 
 
 class PushMachine(RuleBasedStateMachine):
-    """Random interleavings; asserts the block and write invariants."""
+    """Random interleavings of two P requests (owners) that may share transfer ids;
+    asserts the block and write invariants."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pm = PushMatcher(BS, 100, hold_timeout=3.0, register_timeout=5.0,
                               tombstone_ttl=1000.0)
         self.now = 0.0
-        self.prefilled: dict[str, int] = {}  # accepted prefill_done (first per id)
-        self.freed: dict[str, int] = {}
+        self.prefilled: set[tuple[str, str]] = set()  # (tid, owner) with a prefill_done
+        self.freed: dict[tuple[str, str], int] = {}
         self.writes: dict[str, int] = {}
-        self.writing: set[str] = set()
+        self.writing: dict[str, str] = {}  # tid -> owner whose blocks are being read
         self.dead: set[str] = set()  # aborted before any write started
-        self.next_block = 0
 
     def _apply(self, actions) -> None:
         for a in actions:
             if isinstance(a, StartWrite):
                 assert a.transfer_id not in self.dead, "write for an aborted attempt"
+                assert (a.transfer_id, a.owner) in self.prefilled
                 self.writes[a.transfer_id] = self.writes.get(a.transfer_id, 0) + 1
-                self.writing.add(a.transfer_id)
+                self.writing[a.transfer_id] = a.owner
             elif isinstance(a, FreeBlocks):
-                assert a.transfer_id not in self.writing, "freed under in-flight WRITE"
-                self.freed[a.transfer_id] = self.freed.get(a.transfer_id, 0) + 1
+                key = (a.transfer_id, a.owner)
+                assert self.writing.get(a.transfer_id) != a.owner, "freed under in-flight WRITE"
+                self.freed[key] = self.freed.get(key, 0) + 1
 
     @rule(tid=st.sampled_from(TIDS), short=st.booleans())
     def register(self, tid: str, short: bool) -> None:
         ids = ((1, 2),) if short else ((1, 2, 3),)
         self._apply(self.pm.registered(tid, "r", dest(ids=ids), self.now))
 
-    @rule(tid=st.sampled_from(TIDS))
-    def prefill(self, tid: str) -> None:
-        self.prefilled.setdefault(tid, 0)
-        self._apply(self.pm.prefill_done(tid, "r", [5, 6, 7], 40, self.now))
+    @rule(tid=st.sampled_from(TIDS), owner=st.sampled_from(["a", "b"]))
+    def prefill(self, tid: str, owner: str) -> None:
+        self.prefilled.add((tid, owner))
+        self._apply(self.pm.prefill_done(tid, "r", [5, 6, 7], 40, self.now, owner=owner))
 
     @rule(tid=st.sampled_from(TIDS))
     def write_done(self, tid: str) -> None:
-        self.writing.discard(tid)
+        self.writing.pop(tid, None)
         self._apply(self.pm.write_done(tid))
 
     @rule(tid=st.sampled_from(TIDS))
     def write_failed(self, tid: str) -> None:
-        self.writing.discard(tid)
+        self.writing.pop(tid, None)
         self._apply(self.pm.write_failed(tid, "x"))
 
-    @rule(tid=st.sampled_from(TIDS))
-    def abort(self, tid: str) -> None:
-        if tid not in self.writes:
+    @rule(tid=st.sampled_from(TIDS), owner=st.sampled_from(["a", "b", None]))
+    def abort(self, tid: str, owner: str | None) -> None:
+        before = self.pm.state(tid)
+        self._apply(self.pm.abort(tid, owner=owner))
+        if tid not in self.writes and self.pm.state(tid) != before:
             self.dead.add(tid)
-        self._apply(self.pm.abort(tid))
+        if before == "unknown":
+            self.dead.add(tid)
 
     @rule(dt=st.sampled_from([0.5, 1.0, 3.0, 5.0]))
     def tick(self, dt: float) -> None:
@@ -472,16 +510,16 @@ class PushMachine(RuleBasedStateMachine):
     def at_most_one_write_and_free(self) -> None:
         assert all(n == 1 for n in self.writes.values())
         assert all(n == 1 for n in self.freed.values())
-        assert set(self.freed) <= set(self.prefilled)
+        assert set(self.freed) <= self.prefilled
 
     def teardown(self) -> None:
         # Finish every in-flight write, then let all timeouts fire: every prefill freed once.
         for tid in list(self.writing):
-            self.writing.discard(tid)
+            self.writing.pop(tid)
             self._apply(self.pm.write_done(tid))
         self.now += 100.0
         self._apply(self.pm.tick(self.now))
-        assert self.freed == {t: 1 for t in self.prefilled}
+        assert self.freed == {k: 1 for k in self.prefilled}
         assert self.pm.num_live == 0
 
 

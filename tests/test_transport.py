@@ -243,3 +243,16 @@ def test_drop_peer_forgets_it_and_posting_fails(pair):
             t2.start("READ", p2, [0], [0])
     finally:
         t2.close()
+
+
+def test_idle_agents_do_not_spin(pair):
+    """A connected, idle agent leaves the CPU alone (nixl's own default progress thread
+    busy-polls a core per agent, which starves co-located engines)."""
+    tr, _, peer, conn, _ = pair
+    x = tr.start("READ", peer, [0, 1], [2, 3])
+    assert wait(tr, x) == "DONE"
+    time.sleep(0.3)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(2.0)
+    used = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    assert used < 0.25, f"idle process used {used:.2f} cores"

@@ -1,0 +1,130 @@
+"""Push glue (connectors/push_worker.py): two in-process TransferWorkers over real NIXL.
+
+The scheduler builds the step metadata exactly as in an engine; the workers register,
+WRITE and notify for real. Focus: transfer ids that are replayed or shared, whose
+requests must be refused without touching the legitimate transfer or leaking blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import test_worker
+import torch
+from test_worker import D_BLOCKS, P_BLOCKS, PROMPT, Engine, blocks_of
+
+engines = test_worker.engines  # the same fixture: in-process P and D workers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def d_register(d: Engine, p: Engine, req: str, tid: str, local: list[int]):
+    params = {"do_remote_prefill": True, "push": True, "transfer_id": tid,
+              "remote_host": "127.0.0.1", "remote_port": p.port}
+    count, is_async = d.sched.matched_tokens(req, PROMPT, params, 0)
+    assert (count, is_async) == (len(PROMPT), True)
+    d.sched.after_alloc(req, local, count)
+    meta = d.sched.take_meta()
+    assert len(meta.register) == 1
+    d.worker.submit(meta)
+
+
+def p_done(p: Engine, req: str, tid: str, blocks: list[int]) -> None:
+    keep, out = p.sched.finished(req, True, blocks,
+                                 {"do_remote_decode": True, "push": True, "transfer_id": tid},
+                                 PROMPT)
+    assert keep and out["transfer_id"] == tid
+    p.worker.submit(p.sched.take_meta())
+
+
+def written(d: Engine, p: Engine, d_blocks: list[int], p_blocks: list[int]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(blocks_of(d.kv, d_blocks),
+                                                 blocks_of(p.kv, p_blocks), strict=True))
+
+
+def settle(e: Engine, seconds: float = 0.5):
+    return e.collect(lambda r: False, seconds)
+
+
+def test_push_write_lands_and_both_sides_finish(engines):
+    p, d = engines("P", seed=11), engines("D")
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    p_done(p, "p1", "t1", P_BLOCKS)
+    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
+    assert written(d, p, D_BLOCKS, P_BLOCKS)
+    assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
+    assert p.worker.push._p == {} and d.worker.push._d == {}
+
+
+def test_replaying_a_completed_transfer_id_on_p_frees_the_new_request(engines):
+    p, d = engines("P", seed=12), engines("D")
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    p_done(p, "p1", "t1", P_BLOCKS)
+    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
+    p.collect(lambda r: "p1" in r.sent, 10)
+    before = [t.clone() for t in blocks_of(d.kv, D_BLOCKS)]
+    # The same transfer id again (a client replaying parameters): P frees it at once and
+    # never writes into D's (by now reused) blocks.
+    p_done(p, "p2", "t1", [0, 1, 5, 6, 7, 8])
+    assert p.collect(lambda r: "p2" in r.sent, 10).sent == {"p1", "p2"}
+    settle(d)
+    assert all(torch.equal(a, b) for a, b in zip(before, blocks_of(d.kv, D_BLOCKS), strict=True))
+    assert p.worker.push._p == {}
+
+
+def test_second_p_request_with_a_live_transfer_id_is_refused_first_is_served(engines):
+    p, d = engines("P", seed=13), engines("D")
+    p_done(p, "p1", "t1", P_BLOCKS)
+    p_done(p, "p2", "t1", [0, 1, 5, 6, 7, 8])
+    assert p.collect(lambda r: "p2" in r.sent, 10).sent == {"p2"}  # refused, freed at once
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
+    assert written(d, p, D_BLOCKS, P_BLOCKS)  # the first request's KV, not the second's
+    assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1", "p2"}
+
+
+def test_two_d_requests_with_one_transfer_id_never_hang(engines):
+    p, d = engines("P", seed=14), engines("D")
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    other = [4, 5, 6, 9, 10, 11]
+    d_register(d, p, "d2", "t1", other)
+    got = d.collect(lambda r: "d2" in r.recvd, 5)
+    assert "d2" in got.recvd and set(other) <= got.bad_blocks  # recomputes at once
+    p_done(p, "p1", "t1", P_BLOCKS)
+    d.collect(lambda r: "d1" in r.recvd, 15)
+    assert written(d, p, D_BLOCKS, P_BLOCKS)
+    assert not set(D_BLOCKS) & d.acc.bad_blocks
+
+
+def test_registration_then_p_abort_leaves_no_state(engines):
+    p, d = engines("P", seed=15), engines("D")
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    deadline = time.monotonic() + 10
+    while p.worker.push.matcher.state("t1") != "waiting_prefill":
+        assert time.monotonic() < deadline, "registration never reached P"
+        time.sleep(0.01)
+    # P's request is cancelled before its prefill finished.
+    keep, _ = p.sched.finished("p1", False, [], {"do_remote_decode": True, "push": True,
+                                                 "transfer_id": "t1"}, PROMPT)
+    assert not keep
+    p.worker.submit(p.sched.take_meta())
+    got = d.collect(lambda r: "d1" in r.recvd, 10)  # P's Reject: D recomputes at once
+    assert set(D_BLOCKS) <= got.bad_blocks
+    settle(p)
+    assert p.worker.push._p == {} and p.worker.push.matcher.num_live == 0
+    assert d.worker.push._d == {}
+
+
+def test_p_abort_of_a_refused_duplicate_does_not_end_the_real_transfer(engines):
+    p, d = engines("P", seed=16), engines("D")
+    p_done(p, "p1", "t1", P_BLOCKS)
+    keep, _ = p.sched.finished("p2", False, [], {"do_remote_decode": True, "push": True,
+                                                 "transfer_id": "t1"}, PROMPT)
+    p.worker.submit(p.sched.take_meta())
+    settle(p, 0.3)
+    assert p.worker.push.matcher.state("t1") == "holding"
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
+    assert written(d, p, D_BLOCKS, P_BLOCKS)
+
