@@ -60,7 +60,7 @@ class _Read:
     deadline: float
     started: float
     peer_key: str
-    strict: bool = False  # reuse: a READ that ends after its deadline counts as failed
+    strict: bool = False  # a READ that ends after its deadline counts as failed
 
 
 class TransferWorker:
@@ -254,7 +254,7 @@ class TransferWorker:
             del self._reads[req_id]
             if state == "DONE" and not (rd.strict and now > rd.deadline):
                 log.info("kvferry %s %s: %d blocks, %d B in %d descriptors, %.1f ms",
-                         "reuse READ" if rd.strict else "READ", req_id,
+                         "reuse READ" if isinstance(rd.task, ReuseRead) else "READ", req_id,
                          len(rd.task.local_block_ids), rd.xfer.nbytes, rd.xfer.ndesc,
                          (now - rd.started) * 1e3)
                 ok = self.stage_in(req_id, rd.task.local_block_ids)

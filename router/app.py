@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvferry.connectors.params import secret
 
 from . import bodies
-from .conversations import Conversations
+from .conversations import Conversations, LeaseUnavailable
 from .errors import RouterError, error_body, from_status, from_transport
 from .flow import HDR_DECODE, FlowContext, forward_headers, run_request
 from .metrics import RouterMetrics
@@ -78,6 +78,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     app = FastAPI(title="kvferry router", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.conversations = conversations
 
     async def handle(request: Request, endpoint: str, path: str) -> Response:
         ctx = holder["ctx"]
@@ -171,7 +172,11 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     async def heartbeat(conversation_id: str, request: Request, ttl: float | None = None
                         ) -> JSONResponse:
         """The conversation is still active: renew its lease on D."""
-        entry = await conversations.heartbeat(conversation_id, request.headers, ttl)
+        try:
+            entry = await conversations.heartbeat(conversation_id, request.headers, ttl)
+        except LeaseUnavailable as e:
+            return JSONResponse(error_body(f"lease not renewed: {e}", 503, "service_unavailable"),
+                                status_code=503)
         if entry is None:
             return JSONResponse(error_body("no live lease for this conversation", 404,
                                            "not_found_error"), status_code=404)

@@ -38,6 +38,12 @@ from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
+GONE = ("expired", "released", "unknown")  # lease errors meaning: the blocks are gone
+
+
+class LeaseUnavailable(RuntimeError):
+    """D did not answer the lease channel properly (unreachable, refused, internal)."""
+
 
 @dataclass
 class Turn:
@@ -133,7 +139,8 @@ class Conversations:
 
     async def heartbeat(self, conversation_id: str, headers: Any, ttl: float | None = None
                         ) -> ConversationEntry | None:
-        """Renew the conversation's lease on its D; None if there is nothing to renew."""
+        """Renew the conversation's lease on its D; None if there is nothing to renew.
+        `LeaseUnavailable` if D could not say (the entry stays: the lease may be alive)."""
         tenant, entry = self.lookup(conversation_id, headers)
         if entry is None:
             return None
@@ -143,10 +150,11 @@ class Conversations:
         reply = await lease_control.call(*addr, "renew", entry.lease_id, ttl,
                                          timeout_s=self.settings.connect_timeout_s, key=self._secret)
         if not reply.get("ok"):
-            if reply.get("error") in ("expired", "released", "unknown"):
+            if reply.get("error") in GONE:
                 self.registry.drop(tenant, conversation_id)
                 self._gauge()
-            return None
+                return None
+            raise LeaseUnavailable(f"decode {entry.decode_url}: {reply.get('error')}")
         offer = reply["offer"]
         new = ConversationEntry(entry.decode_url, entry.engine_id, entry.lease_id,
                                 float(offer["expiry"]), entry.num_tokens, dict(offer))

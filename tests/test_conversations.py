@@ -14,7 +14,7 @@ from kvferry.connectors.lease import LeaseError
 from kvferry.connectors.lease_control import ControlServer
 from kvferry.connectors.lease_keeper import LeaseKeeper
 from kvferry.connectors.params import SECRET_ENV, parse_lease
-from kvferry.router.conversations import Conversations, Turn
+from kvferry.router.conversations import Conversations, LeaseUnavailable, Turn
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.registry import ANONYMOUS
 from kvferry.router.settings import RouterSettings
@@ -247,7 +247,8 @@ def test_heartbeat_keeps_entry_when_d_is_unreachable(d):
         t1 = await conv.begin(body(), A)
         conv.commit_offer(t1, D_URL, d.finish_turn(t1))
         t0 = time.monotonic()
-        assert await conv.heartbeat("c1", A) is None
+        with pytest.raises(LeaseUnavailable, match="unreachable"):
+            await conv.heartbeat("c1", A)
         assert time.monotonic() - t0 < 2.0
         assert conv.lookup("c1", A)[1] is not None  # maybe a blip: the lease may still hold
 
@@ -278,3 +279,24 @@ def test_end_forgets_even_if_d_already_let_go(d):
         assert conv.lookup("c1", A)[1] is None
 
     run(go, d.port)
+
+
+def test_heartbeat_endpoint_answers_200_404_and_503(d):
+    """Over HTTP: renewed (200), nothing to renew (404), D silent (503, entry kept)."""
+    from fastapi.testclient import TestClient
+
+    from kvferry.router.app import create_app
+
+    settings = RouterSettings(prefill_urls=["http://p"], decode_urls=[D_URL],
+                              decode_control_addrs=[f"127.0.0.1:{d.port}"], connect_timeout_s=0.3)
+    with TestClient(create_app(settings, KEY)) as client:
+        conv: Conversations = client.app.state.conversations
+        turn = client.portal.call(conv.begin, body(), A)
+        conv.commit_offer(turn, D_URL, d.finish_turn(turn))
+        url = "/v1/kvferry/conversations/c1"
+        assert client.post(url + "/heartbeat", headers=A).status_code == 200
+        assert client.post(url + "/heartbeat", headers=B).status_code == 404
+        d.server.close()  # D stops answering its lease channel
+        r = client.post(url + "/heartbeat", headers=A)
+        assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
+        assert client.get(url, headers=A).status_code == 200

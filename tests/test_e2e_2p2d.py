@@ -6,10 +6,13 @@ Every answer must equal a colocated run on one P engine.
 
 Layout: one core per engine on hosts with 4+ cores. With fewer, each core would host one
 P and one D (P0+D1 on the first, P1+D0 on the last), but there the module is skipped
-unless KVFERRY_TEST_2P2D_SHARED_CORES=1: every engine's NIXL progress thread busy-polls
-its core, and four engines on two cores starve each other badly enough that pushes time
-out and fall back to recompute (and one P worker was seen stalled for 60 s). P engines
-run without prefix caching so that conversation turns must READ their history from D.
+unless KVFERRY_TEST_2P2D_SHARED_CORES=1: four engines on two cores stall for minutes at a
+time (an engine core and its worker both waiting on vLLM's shared-memory queue while
+the other engine on that core computes), so handshakes and transfers time out and fall
+back to recompute, and the exact transfer counts asserted here do not hold. (NIXL's
+busy-polling progress threads, the first suspect, are gone: see transport.make_agent.)
+P engines run without prefix caching so that conversation turns must READ their history
+from D.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ from kvferry.scripts.procs import stop_all, wait_healthy
 SHARED_CORES = len(available_cpus()) < 4
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     SHARED_CORES and os.environ.get("KVFERRY_TEST_2P2D_SHARED_CORES") != "1",
-    reason="2P2D needs 4 cores (engines sharing cores starve: NIXL progress threads "
-           "busy-poll); KVFERRY_TEST_2P2D_SHARED_CORES=1 runs it anyway")]
+    reason="2P2D needs 4 cores (four engines on two cores stall for minutes and their "
+           "transfers time out); KVFERRY_TEST_2P2D_SHARED_CORES=1 runs it anyway")]
 
-# Four engines on two cores are slow (each engine's NIXL progress thread also busy-polls
-# its core): timeouts generous enough that no transfer falls back to recompute.
-EXTRA = {"handshake_timeout_s": 20, "recv_timeout_s": 60, "send_timeout_s": 120,
+# Engines that share cores are slow: timeouts generous enough that a slow (not stalled)
+# transfer does not fall back to recompute.
+EXTRA = {"handshake_timeout_s": 60, "recv_timeout_s": 90, "send_timeout_s": 120,
          "push_hold_timeout_s": 60, "push_register_timeout_s": 60, "push_recv_timeout_s": 90,
          "push_quarantine_s": 1, "lease_free_grace_s": 10, "lease_margin_s": 10,
          "reuse_read_timeout_s": 8}
@@ -98,7 +101,7 @@ def cluster(tmp_path_factory):
             prefill_urls=[p.url for p in ps], decode_urls=[d.url for d in ds],
             prefill_kv_addrs=[f"127.0.0.1:{p.side_port}" for p in ps],
             decode_control_addrs=[f"127.0.0.1:{d.control_port}" for d in ds],
-            prefill_timeout_s=120, decode_timeout_s=120)
+            prefill_timeout_s=300, decode_timeout_s=300)
         router = stack.enter_context(serve(create_app(settings, secret.encode())))
         yield Cluster(ps, ds, router, model)
 
@@ -109,7 +112,7 @@ def send(cluster: Cluster, toks: list[int], mode: str, cid: str | None = None
             "logprobs": 5, "return_token_ids": True}
     if cid is not None:
         body["conversation_id"] = cid
-    r = httpx.post(cluster.router + "/v1/completions", json=body, timeout=180,
+    r = httpx.post(cluster.router + "/v1/completions", json=body, timeout=400,
                    headers={"x-kvferry-mode": mode})
     r.raise_for_status()
     return r.json(), r.headers
@@ -122,7 +125,7 @@ def total(engines: list[Engine], count) -> float:
 def test_requests_spread_over_both_pairs(cluster):
     """Six concurrent requests (pull and push interleaved) use both P and both D."""
     jobs = [(n, "pull" if i % 2 == 0 else "push") for i, n in
-            enumerate((200, 1300, 129, 700, 900, 450))]
+            enumerate((200, 700, 129, 400, 500, 300))]
     toks = {n: prompt(n, 1000 + n) for n, _ in jobs}
     want = {n: cluster.colocated(t) for n, t in toks.items()}
     reads = total(cluster.decodes, Engine.reads)
