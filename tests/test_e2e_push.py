@@ -5,7 +5,6 @@ forced deterministically; failures end in a local recompute with blocks freed.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -212,10 +211,6 @@ def test_stale_transfer_id_never_gets_old_kv(stack):
     assert stack.prefill.kv_usage() == 0
 
 
-@pytest.mark.skipif(
-    len(os.sched_getaffinity(0)) < 4 and not os.environ.get("KVFERRY_TEST_PREEMPTION"),
-    reason="a third engine next to P and D: their NIXL progress threads each busy-poll a "
-    "core, so on < 4 cores it starves for minutes (KVFERRY_TEST_PREEMPTION=1 forces it)")
 def test_preempted_push_request_recomputes(stack):
     """D preempts a request whose KV P pushed: it resumes by recomputing (one transfer
     attempt per request), with the same output and every block freed.
