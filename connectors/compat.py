@@ -55,6 +55,11 @@ def all_tokens(request: Any) -> list[int]:
     return list(toks)
 
 
+def scheduled_tokens(scheduler_output: Any) -> int:
+    """Tokens this step computes (both versions: ``total_num_scheduled_tokens``)."""
+    return int(getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+
+
 def step_progress(scheduler_output: Any) -> dict[str, tuple[int, int]]:
     """req id -> (tokens computed before this step, tokens scheduled in it).
 

@@ -19,6 +19,11 @@ class ConnectorConfig(BaseModel):
     # Upper bound (µs) on an idle NIXL progress thread's wait for events; 0 = nixl's
     # default, a thread that busy-polls one core per engine rank.
     nixl_progress_delay_us: int = Field(1000, ge=0)
+    # An engine step that computes nothing (requests only waiting for KV) waits up to
+    # this long for a transfer result before returning; vLLM otherwise re-steps at once,
+    # spinning a core per engine while a transfer is in flight. A result ends the wait
+    # at once. 0 disables.
+    idle_step_wait_ms: float = Field(5.0, ge=0, le=100)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = Field(5600, ge=1, le=65535)  # + tp rank
     handshake_timeout_s: float = Field(5.0, gt=0)

@@ -118,7 +118,9 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._sched.saves is not None:  # host staging may be active: what P must stage
             self._sched.plan_saves(compat.step_progress(scheduler_output),
                                    compat.grown_blocks(scheduler_output))
-        return KvferryMeta(self._sched.take_meta())
+        meta = self._sched.take_meta()
+        meta.idle = compat.scheduled_tokens(scheduler_output) == 0
+        return KvferryMeta(meta)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.worker_done(set(connector_output.finished_sending or ()),
@@ -196,7 +198,9 @@ class KvferryConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]):
         if self._worker is None:
             return None, None
-        res = self._worker.results()
+        meta = self._connector_metadata
+        idle = isinstance(meta, KvferryMeta) and meta.step.idle
+        res = self._worker.results(self.cfg.idle_step_wait_ms / 1e3 if idle else 0.0)
         self._bad_blocks |= res.bad_blocks
         return (res.sent or None), (res.recvd or None)
 

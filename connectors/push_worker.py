@@ -249,7 +249,7 @@ class PushEndpoint:
             del self._writes[tid]
             if state == "DONE":
                 log.info("kvferry WRITE %s: %d B in %d descriptors, %.1f ms", tid, wr.xfer.nbytes,
-                         wr.xfer.ndesc, (now - wr.started) * 1e3)
+                         wr.xfer.ndesc, (time.monotonic() - wr.started) * 1e3)
                 self._run(self.matcher.write_done(tid, now))
             else:
                 self.w.transport.release(wr.xfer)

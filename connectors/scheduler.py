@@ -102,6 +102,9 @@ class StepMeta:
     # P, pull with host staging: blocks this step's forward writes, copied device -> host
     # mirror in wait_for_save so D's one-sided READ finds them (staged_saves.py).
     save: list[int] = field(default_factory=list)
+    # The step computes nothing (every request waits for KV): the worker may wait briefly
+    # for transfer results instead of returning at once to a spinning engine loop.
+    idle: bool = False
 
     def has_push(self) -> bool:
         return bool(self.register or self.push_send or self.push_abort_p or self.push_abort_d)

@@ -52,6 +52,9 @@ class _Results:
     recvd: set[str] = field(default_factory=set)
     bad_blocks: set[int] = field(default_factory=set)
 
+    def any(self) -> bool:
+        return bool(self.sent or self.recvd or self.bad_blocks)
+
 
 @dataclass
 class _Read:
@@ -81,6 +84,7 @@ class TransferWorker:
         })
         self._inbox: queue.Queue[StepMeta] = queue.Queue()
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # signalled by report()
         self._out = _Results()
         self._stop = threading.Event()
         # transfer-thread state
@@ -128,8 +132,12 @@ class TransferWorker:
         if self.staging is not None and block_ids:
             self.staging.stage_out(block_ids)
 
-    def results(self) -> _Results:
-        with self._lock:
+    def results(self, wait_s: float = 0.0) -> _Results:
+        """Everything reported since the last call; with ``wait_s``, first wait up to that
+        long for something to be reported (an engine step with nothing to compute)."""
+        with self._ready:
+            if wait_s > 0 and not self._out.any():
+                self._ready.wait(wait_s)
             out, self._out = self._out, _Results()
         return out
 
@@ -302,7 +310,9 @@ class TransferWorker:
 
     def report(self, sent: set[str] = frozenset(), recvd: set[str] = frozenset(),
                 bad_blocks: Iterable[int] = ()) -> None:
-        with self._lock:
+        with self._ready:
             self._out.sent |= sent
             self._out.recvd |= recvd
             self._out.bad_blocks.update(bad_blocks)
+            if self._out.any():
+                self._ready.notify_all()

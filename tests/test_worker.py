@@ -301,3 +301,21 @@ def test_live_offer_carries_its_expiry_and_reads(engines):
     d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
     got = d.collect(lambda r: "d-req" in r.recvd, 10)
     assert got.recvd == {"d-req"} and got.bad_blocks == set()
+
+
+def test_idle_step_waits_for_a_result_and_wakes_at_once(engines):
+    """results(wait_s): an engine step with nothing to compute waits for the transfer
+    thread instead of spinning, and returns as soon as something is reported."""
+    import threading
+
+    p = engines("P")
+    t0 = time.monotonic()
+    assert not p.worker.results(0.3).any()
+    assert 0.25 <= time.monotonic() - t0 < 2.0
+    threading.Timer(0.1, p.worker.report, kwargs={"recvd": {"r1"}}).start()
+    t0 = time.monotonic()
+    got = p.worker.results(5.0)
+    assert got.recvd == {"r1"} and time.monotonic() - t0 < 1.0
+    p.worker.report(sent={"r2"})
+    t0 = time.monotonic()
+    assert p.worker.results(5.0).sent == {"r2"} and time.monotonic() - t0 < 0.1
