@@ -342,6 +342,10 @@ class PushMatcher:
             return f"ended:{e.reason}"
         return "unknown"
 
+    def is_live(self, transfer_id: str) -> bool:
+        """Still matched, held or being written (not ended, not unknown)."""
+        return transfer_id in self._live
+
     @property
     def num_live(self) -> int:
         return len(self._live)

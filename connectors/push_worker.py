@@ -178,14 +178,12 @@ class PushEndpoint:
                 reg = p.reg if p is not None else None
                 if reg is not None:
                     self._notify_d(reg, messages.Rejected(a.transfer_id, a.reason))
-        # Forget P-side state of every transfer the matcher no longer tracks.
         for tid in {a.transfer_id for a in actions}:
-            if self.matcher.state(tid).startswith("ended"):
-                self._p.pop(tid, None)
+            self._forget_if_ended(tid)
 
-    def _forget_unmatched(self, tid: str) -> None:
-        """A registration the matcher ignored or ended leaves no P-side entry behind."""
-        if self.matcher.state(tid) in ("unknown",) or self.matcher.state(tid).startswith("ended"):
+    def _forget_if_ended(self, tid: str) -> None:
+        """P-side state lives exactly as long as the matcher tracks the transfer."""
+        if not self.matcher.is_live(tid):
             self._p.pop(tid, None)
 
     def _notify_d(self, reg: messages.Register, msg: messages.Message) -> None:
@@ -229,10 +227,10 @@ class PushEndpoint:
                 self._notify_d(msg, messages.Rejected(msg.transfer_id, "block sizes differ"))
                 p.reg = None  # not served: P's own prefill of this id is freed at once
                 self._run(self.matcher.abort(msg.transfer_id, now))
-                self._forget_unmatched(msg.transfer_id)
+                self._forget_if_ended(msg.transfer_id)
                 return
             self._run(self.matcher.registered(msg.transfer_id, msg.transfer_id, dest, now))
-            self._forget_unmatched(msg.transfer_id)
+            self._forget_if_ended(msg.transfer_id)
         elif isinstance(msg, messages.Abort):
             self._run(self.matcher.abort(msg.transfer_id, now))
         elif isinstance(msg, messages.Wrote):

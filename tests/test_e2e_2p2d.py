@@ -25,7 +25,7 @@ import httpx
 import pytest
 from helpers_http import serve
 from stack import STARTUP_S, Engine, assert_same_output, complete, prompt, start_engine, wait_until
-from test_e2e_reuse import expected_reuse, out_tokens
+from test_e2e_reuse import expected_reuse, out_tokens, reused_of
 
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
@@ -114,12 +114,6 @@ def send(cluster: Cluster, toks: list[int], mode: str, cid: str | None = None
     return r.json(), r.headers
 
 
-def reused(resp: dict, headers: httpx.Headers) -> int:
-    """Tokens P read back from D: a header for pull, a body field for push (whose P leg
-    answers in the background, before D's answer since D waits for P's WRITE)."""
-    return int(headers.get("x-kvferry-reused-tokens") or resp.get("kvferry_reused_tokens", 0))
-
-
 def total(engines: list[Engine], count) -> float:
     return sum(count(e) for e in engines)
 
@@ -174,11 +168,11 @@ def test_conversations_stick_to_their_decode_and_reuse(cluster):
         ds = [h["x-kvferry-decode"] for _, _, h in hist]
         assert len(set(ds)) == 1, f"{cid} moved between decoders: {ds}"
         homes[cid] = ds[0]
-        assert reused(*hist[0][1:]) == 0
+        assert reused_of(hist[0][2], hist[0][1]) == 0
         for (pt, pr, _), (nt, nr, nh) in zip(hist, hist[1:], strict=False):
             want = expected_reuse(pt, out_tokens(pr), nt)
             assert want > 0
-            got = reused(nr, nh)
+            got = reused_of(nh, nr)
             assert got == want, f"{cid}: reused {got}, expected {want}"
         r = httpx.get(cluster.router + f"/v1/kvferry/conversations/{cid}", timeout=10)
         assert r.status_code == 200 and r.json()["decode"] == homes[cid]

@@ -75,8 +75,11 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def reused_of(headers: httpx.Headers) -> int:
-    return int(headers.get("x-kvferry-reused-tokens", "0"))
+def reused_of(headers: httpx.Headers, body: dict | None = None) -> int:
+    """Tokens P read back from D: a header for pull; for push (whose P leg answers in the
+    background, before D's answer since D waits for P's WRITE) a field of D's body."""
+    return int(headers.get("x-kvferry-reused-tokens")
+               or (body or {}).get("kvferry_reused_tokens", 0))
 
 
 def converse(stack, cid: str, turns: int = 3, seed: int = 0, first: int = 300, mode: str = "pull"):
