@@ -47,6 +47,7 @@ class _DReq:
     host: str
     port: int
     ready: bool = False
+    registered_at: float = 0.0  # monotonic
 
 
 @dataclass
@@ -56,6 +57,7 @@ class _PReq:
     req_id: str = ""
     prompt_hash: str = ""
     reg: messages.Register | None = None
+    ended_at: float = 0.0  # wall clock when P's scheduler saw the prefill end
 
 
 @dataclass
@@ -63,6 +65,7 @@ class _Write:
     xfer: Transfer
     deadline: float
     started: float
+    ended_at: float  # wall clock of the prefill's end (0: unknown)
 
 
 class PushEndpoint:
@@ -90,7 +93,7 @@ class PushEndpoint:
         for s in meta.push_send:
             p = self._p.setdefault(s.transfer_id, _PReq())
             if not p.req_id:  # else another request holds this id: the matcher refuses us
-                p.req_id, p.prompt_hash = s.req_id, s.prompt_hash
+                p.req_id, p.prompt_hash, p.ended_at = s.req_id, s.prompt_hash, s.ended_at
                 if p.reg is not None and p.reg.prompt_hash != s.prompt_hash:
                     self._run(self.matcher.abort(s.transfer_id, now))  # D registered another prompt
             self._run(self.matcher.prefill_done(s.transfer_id, s.transfer_id, s.block_ids,
@@ -115,7 +118,8 @@ class PushEndpoint:
                         task.req_id, task.transfer_id)
             self.w.report(recvd={task.req_id}, bad_blocks=task.block_ids)
             return
-        self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port)
+        self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port,
+                                          registered_at=now)
         self._apply(self.receiver.expect(task.transfer_id, task.req_id, {self.w.rank}, now))
         reg = messages.Register(
             transfer_id=task.transfer_id, engine_id=self.w.engine_id,
@@ -149,6 +153,8 @@ class PushEndpoint:
                 if d is not None:
                     d.ready = True
                     del self._d[a.transfer_id]
+                    log.info("push %s: KV in, %.1f ms after registering", a.transfer_id,
+                             (time.monotonic() - d.registered_at) * 1e3)
                     ok = self.w.stage_in(a.req_id, d.block_ids)  # host staging: mirror -> device
                 self.w.report(recvd={a.req_id}, bad_blocks=() if ok else d.block_ids)
             elif isinstance(a, RecvFailed):
@@ -208,7 +214,8 @@ class PushEndpoint:
             self._run(self.matcher.write_failed(a.transfer_id, str(e), now))
             return
         started = time.monotonic()
-        self._writes[a.transfer_id] = _Write(xfer, started + self.w.cfg.recv_timeout_s, started)
+        self._writes[a.transfer_id] = _Write(xfer, started + self.w.cfg.recv_timeout_s, started,
+                                             p.ended_at)
 
     def on_message(self, msg: messages.Message, now: float) -> None:
         if isinstance(msg, messages.Register):
@@ -246,8 +253,10 @@ class PushEndpoint:
                 continue
             del self._writes[tid]
             if state == "DONE":
-                log.info("kvferry WRITE %s: %d B in %d descriptors, %.1f ms", tid, wr.xfer.nbytes,
-                         wr.xfer.ndesc, (time.monotonic() - wr.started) * 1e3)
+                after = (time.time() - wr.ended_at) * 1e3 if wr.ended_at else float("nan")
+                log.info("kvferry WRITE %s: %d B in %d descriptors, %.1f ms; done %.1f ms after "
+                         "the prefill ended", tid, wr.xfer.nbytes, wr.xfer.ndesc,
+                         (time.monotonic() - wr.started) * 1e3, after)
                 self._run(self.matcher.write_done(tid, now))
             else:
                 self.w.transport.release(wr.xfer)

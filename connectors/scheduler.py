@@ -63,6 +63,8 @@ class PushSend:
     block_ids: list[int]
     num_tokens: int
     prompt_hash: str
+    ended_at: float = 0.0  # wall clock (scheduler and workers may be other processes): the
+    # transfer thread logs how long after the prefill ended the KV landed (the handoff's part)
 
 
 @dataclass
@@ -331,7 +333,7 @@ class TransferScheduler:
                     self._meta.push_abort_p.append((tid, req_id))
                 return False, None
             self._meta.push_send.append(PushSend(req_id, tid, list(block_ids), len(prompt),
-                                                 prompt_hash(prompt)))
+                                                 prompt_hash(prompt), time.time()))
             self.waiting_send.add(req_id)
             return True, {"transfer_id": tid, "push": True, **reuse_out}
         if not ok or not block_ids:

@@ -20,6 +20,9 @@ then P; both legs are sent at once with one transfer_id. P gets
 {"do_remote_decode", "push", "transfer_id"}; D gets {"do_remote_prefill", "push",
 "transfer_id", "remote_host", "remote_port"} naming P's kvferry side channel
 (RouterSettings.prefill_kv_addrs), where D registers its blocks and P writes into them.
+Both legs carry the same `x-request-id`; with `prefill_engine_ids` set, D also gets P's
+`remote_engine_id`, `tp_size` and `remote_request_id`, which is all vLLM's own NixlPushConnector needs to be
+driven by this router too (benchmarks compare it side by side).
 The client gets D's answer; P's answer is awaited in the background. A failing P is only
 logged and counted (D's connector falls back to recompute); a failing D or a client that
 goes away cancels P.
@@ -410,9 +413,10 @@ async def _run_push(
     if prefill_kv is None:
         raise RouterError(400, f"push needs --prefill-kv for {p.url}", "invalid_request_error",
                           "router", "no_prefill_kv")
+    d_extra = {**ctx.settings.push_identity(p.url, transfer_id),
+               **(turn.lease_request(ctx.settings.lease_ttl_s) if turn else {})}
     legs = build_legs("push", endpoint, clean, transfer_id, prefill_kv,
-                      p_extra=turn.prefill_params() if turn else None,
-                      d_extra=turn.lease_request(ctx.settings.lease_ttl_s) if turn else None)
+                      p_extra=turn.prefill_params() if turn else None, d_extra=d_extra)
     assert legs.decode_body is not None
     leg = PushPrefill()
 

@@ -25,6 +25,14 @@ class RouterSettings(BaseModel):
         description="kvferry side-channel `host:port` of each prefill engine, aligned with "
         "prefill_urls (empty: push mode is unavailable). D is told to register with it.",
     )
+    prefill_engine_ids: list[str] = Field(
+        default_factory=list,
+        description="KV engine id of each prefill engine, aligned with prefill_urls. Only "
+        "vLLM's own NixlPushConnector needs them (its D must name P's engine before P has "
+        "answered); kvferry's connectors find P by its side-channel address alone.",
+    )
+    prefill_tp_size: int = Field(1, gt=0, description="TP size of the prefill engines, told "
+                                 "to D with prefill_engine_ids (vLLM's push connector).")
     decode_control_addrs: list[str] = Field(
         default_factory=list,
         description="kvferry lease-control `host:port` of each decode engine, aligned with "
@@ -82,6 +90,9 @@ class RouterSettings(BaseModel):
                 f"{n_kv} prefill kv address(es) for {n_p} prefill URL(s); give one per prefill, "
                 "in the same order"
             )
+        if self.prefill_engine_ids and len(self.prefill_engine_ids) != n_p:
+            raise ValueError(f"{len(self.prefill_engine_ids)} prefill engine id(s) for {n_p} "
+                             "prefill URL(s)")
         n_c, n_d = len(self.decode_control_addrs), len(self.decode_urls)
         if n_c and n_c != n_d:
             raise ValueError(f"{n_c} decode control address(es) for {n_d} decode URL(s)")
@@ -104,6 +115,15 @@ class RouterSettings(BaseModel):
             return None
         return parse_addr(self.prefill_kv_addrs[i])
 
+    def push_identity(self, prefill_url: str, request_id: str) -> dict[str, object]:
+        """What a push D must know of P beyond its address (vLLM's push connector only):
+        P's engine id, TP size and request id (the x-request-id both legs carry)."""
+        try:
+            eid = self.prefill_engine_ids[self.prefill_urls.index(prefill_url)]
+        except (ValueError, IndexError):
+            return {}
+        return {"remote_engine_id": eid, "tp_size": self.prefill_tp_size,
+                "remote_request_id": request_id}
 
     @property
     def reuse_available(self) -> bool:

@@ -23,7 +23,7 @@ import typer
 
 from .bench import bench
 from .demo import run_demo
-from .engines import BACKENDS, CONNECTORS, ROLES, EngineSpec, engine_argv, engine_env
+from .engines import BACKENDS, CONNECTORS, ROLES, EngineSpec, engine_argv, engine_env, vllm_engine_id
 from .launch import launch_app
 from .modelgen import SHAPES, write_model
 from .procs import Child, StartupError, died_message, first_dead, stop_all, wait_healthy
@@ -77,6 +77,9 @@ def router(
     decode_control: Annotated[list[str] | None, typer.Option(
         help="kvferry lease-control host:port of each decode engine, same order as --decode "
         "(repeat or comma-list); enables conversation KV reuse.")] = None,
+    prefill_engine_id: Annotated[list[str] | None, typer.Option(
+        help="KV engine id of each prefill engine, same order as --prefill: only to drive "
+        "vLLM's own NixlPushConnector (with --prefill-kv naming its side channels).")] = None,
     lease_ttl: Annotated[float | None, typer.Option(
         help="Lease TTL (s) asked of decode per turn; default decode's own.")] = None,
     connect_timeout: float = 3.0,
@@ -97,7 +100,8 @@ def router(
             prefill_urls=prefill, decode_urls=decode,
             mode=_choice(mode, ("pull", "push"), "--mode"),  # type: ignore[arg-type]
             prefill_kv_addrs=prefill_kv or [], decode_control_addrs=decode_control or [],
-            lease_ttl_s=lease_ttl, connect_timeout_s=connect_timeout,
+            prefill_engine_ids=prefill_engine_id or [], lease_ttl_s=lease_ttl,
+            connect_timeout_s=connect_timeout,
             prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
         )
     except ValidationError as exc:
@@ -145,8 +149,6 @@ def _up(
     _choice(hardware_backend, BACKENDS, "--hardware-backend")
     _choice(connector, CONNECTORS, "--connector")
     _choice(mode, ("pull", "push"), "--mode")
-    if mode == "push" and connector != "kvferry":
-        raise typer.BadParameter("push mode needs --connector kvferry", param_hint="--mode")
     if model_dir is None:
         model_dir = STATE_DIR / "models" / "tiny"
         if not dry_run:
@@ -175,11 +177,13 @@ def _up(
                    "--prefill", f"http://127.0.0.1:{prefill_port}",
                    "--decode", f"http://127.0.0.1:{decode_port}",
                    "--port", str(router_port), "--mode", mode]
+    p_spec, d_spec = specs["prefill"], specs["decode"]
     if connector == "kvferry":
-        p_spec = specs["prefill"]
-        d_spec = specs["decode"]
         router_argv += ["--prefill-kv", f"{p_spec.host}:{p_spec.side_port}",
                         "--decode-control", f"{d_spec.host}:{d_spec.control_port}"]
+    elif mode == "push":  # vLLM's NixlPushConnector: D names P's engine before P answers
+        router_argv += ["--prefill-kv", f"{p_spec.host}:{p_spec.side_port}",
+                        "--prefill-engine-id", vllm_engine_id(p_spec)]
     children.append(Child("router", router_argv, logs / "router.log", router_url + "/health"))
 
     if dry_run:

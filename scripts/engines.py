@@ -48,6 +48,14 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()
     connector_extra: dict[str, Any] = field(default_factory=dict)  # merged into extra config
     python: str = field(default=sys.executable)
+    # None: eager on CPU only (compiling there costs minutes for no decode gain); CUDA
+    # engines keep torch.compile + CUDA graphs, without which a small model's decode step
+    # is Python-bound (qwen3-0.6b on H200: ~20 ms eager) and every handoff pays for it.
+    eager: bool | None = None
+
+    @property
+    def enforce_eager(self) -> bool:
+        return self.backend == "cpu" if self.eager is None else self.eager
 
     @property
     def index(self) -> int:
@@ -87,12 +95,22 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
             },
         }
     if spec.connector == "vllm-nixl":
-        return {
-            "kv_connector": "NixlConnector",
+        out: dict[str, Any] = {
+            "kv_connector": "NixlPushConnector" if spec.mode == "push" else "NixlConnector",
             "kv_role": "kv_both",
             "kv_buffer_device": NIXL_BUFFER_DEVICE[spec.backend],
+            # Fixed, so a router can name P to a push D before P answers.
+            "engine_id": vllm_engine_id(spec),
         }
+        if spec.connector_extra:  # e.g. {"bidirectional_kv_xfer": true}
+            out["kv_connector_extra_config"] = dict(spec.connector_extra)
+        return out
     raise ValueError(f"unknown connector {spec.connector!r}")
+
+
+def vllm_engine_id(spec: EngineSpec) -> str:
+    """Engine id given to vLLM's NixlConnector engines (unique per host and port)."""
+    return f"{spec.role}-{spec.host}-{spec.port}"
 
 
 def engine_argv(spec: EngineSpec) -> list[str]:
@@ -105,7 +123,7 @@ def engine_argv(spec: EngineSpec) -> list[str]:
         "--load-format", spec.load_format,
         "--seed", "0",
         "--max-model-len", str(spec.max_model_len),
-        "--enforce-eager",
+        *(["--enforce-eager"] if spec.enforce_eager else []),
         "--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":")),
     ]
     if spec.served_model_name:

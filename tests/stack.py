@@ -24,7 +24,7 @@ from helpers_http import serve
 
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
-from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env
+from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env, vllm_engine_id
 from kvferry.scripts.procs import Child, stop_all, wait_healthy
 
 STARTUP_S = float(os.environ.get("KVFERRY_TEST_STARTUP_S", "900"))
@@ -66,6 +66,7 @@ class Engine:
     child: Child
     side_port: int
     control_port: int = 0
+    engine_id: str = ""  # the id vLLM's own NixlConnector engines run under
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a Prometheus sample of this engine (0 if absent)."""
@@ -107,37 +108,45 @@ class Stack:
 
 def start_engine(role: str, model: str, logs: Path, secret: str, connector: str = "kvferry",
                  extra: dict[str, Any] | None = None, cpus: tuple[int, ...] | None = None,
-                 backend: str = "cpu", engine_args: tuple[str, ...] = ()) -> Engine:
+                 backend: str = "cpu", engine_args: tuple[str, ...] = (), mode: str = "pull"
+                 ) -> Engine:
     port, side, control = free_port(), free_port(), free_port()
     spec = EngineSpec(role=role, model=model, port=port, connector=connector,  # type: ignore[arg-type]
                       side_channel_port=side, lease_control_port=control, cpus=cpus,
-                      connector_extra=extra or {},
+                      connector_extra=extra or {}, mode=mode,  # type: ignore[arg-type]
                       backend=backend, extra_args=engine_args)  # type: ignore[arg-type]
     env = {**engine_env(spec), "KVFERRY_SECRET": secret}
     child = Child(role, engine_argv(spec), logs / f"{role}-{port}.log",
                   f"http://127.0.0.1:{port}/health", env)
     child.start()
-    return Engine(role, f"http://127.0.0.1:{port}", child, side, control)
+    return Engine(role, f"http://127.0.0.1:{port}", child, side, control, vllm_engine_id(spec))
 
 
 @contextmanager
 def pd_stack(model: str, logs: Path, connector: str = "kvferry",
              extra: dict[str, Any] | None = None, backend: str = "cpu",
              engine_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
-             router: dict[str, Any] | None = None) -> Iterator[Stack]:
+             router: dict[str, Any] | None = None, mode: str = "pull",
+             decode_args: tuple[str, ...] = ()) -> Iterator[Stack]:
+    """P + D + router. `mode` picks vLLM's connector class for connector="vllm-nixl"
+    (push: NixlPushConnector, which the router drives with P's engine id)."""
     secret = secrets.token_hex(16)
     with ExitStack() as stack:
         p = start_engine("prefill", model, logs, secret, connector, extra, None, backend,
-                         engine_args + prefill_args)
-        d = start_engine("decode", model, logs, secret, connector, extra, None, backend, engine_args)
+                         engine_args + prefill_args, mode)
+        d = start_engine("decode", model, logs, secret, connector, extra, None, backend,
+                         engine_args + decode_args, mode)
         children = [p.child, d.child]
         stack.callback(stop_all, children)
         wait_healthy(children, STARTUP_S)
-        kv = [f"127.0.0.1:{p.side_port}"] if connector == "kvferry" else []
+        vllm_push = connector == "vllm-nixl" and mode == "push"
+        kv = [f"127.0.0.1:{p.side_port}"] if connector == "kvferry" or vllm_push else []
         ctl = [f"127.0.0.1:{d.control_port}"] if connector == "kvferry" else []
+        ids = [p.engine_id] if vllm_push else []
         settings = RouterSettings(prefill_urls=[p.url], decode_urls=[d.url], prefill_kv_addrs=kv,
-                                  decode_control_addrs=ctl, prefill_timeout_s=120,
-                                  decode_timeout_s=120, **(router or {}))
+                                  decode_control_addrs=ctl, prefill_engine_ids=ids,
+                                  prefill_timeout_s=120, decode_timeout_s=120,
+                                  **({"mode": "push"} if vllm_push else {}), **(router or {}))
         router = stack.enter_context(serve(create_app(settings, secret.encode())))
         yield Stack(p, d, router, secret, model, children)
 

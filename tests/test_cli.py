@@ -69,7 +69,11 @@ def test_cpu_vllm_nixl_and_ucx() -> None:
                    ucx_tls="tcp,self")
     d = EngineSpec(role="decode", model="/m", port=2, connector="vllm-nixl", cpus=(0, 1))
     assert kv_transfer_config(p) == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                                     "kv_buffer_device": "cpu"}
+                                     "kv_buffer_device": "cpu", "engine_id": "prefill-127.0.0.1-1"}
+    push = EngineSpec(role="decode", model="/m", port=2, connector="vllm-nixl", mode="push",
+                      connector_extra={"bidirectional_kv_xfer": True})
+    assert kv_transfer_config(push)["kv_connector"] == "NixlPushConnector"
+    assert kv_transfer_config(push)["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True}
     pe, de = engine_env(p), engine_env(d)
     assert pe["VLLM_NIXL_SIDE_CHANNEL_PORT"] != de["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert pe["UCX_TLS"] == "tcp,self" and "UCX_TLS" not in de
@@ -88,6 +92,16 @@ def test_cuda_and_neuron() -> None:
     env = engine_env(n)
     assert env["NEURON_RT_VISIBLE_CORES"] == "4-7" and env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"
     assert kv_transfer_config(n)["kv_connector_extra_config"]["hardware_backend"] == "neuron"
+
+
+def test_eager_only_where_asked_or_on_cpu() -> None:
+    """CUDA engines keep CUDA graphs (an eager decode step is Python-bound); CPU stays eager."""
+    cuda = EngineSpec(role="decode", model="/m", port=2, backend="cuda")
+    assert "--enforce-eager" not in engine_argv(cuda)
+    assert "--enforce-eager" in engine_argv(EngineSpec(role="decode", model="/m", port=2,
+                                                       backend="cuda", eager=True))
+    assert "--enforce-eager" not in engine_argv(EngineSpec(role="decode", model="/m", port=2,
+                                                           cpus=(0, 1), eager=False))
 
 
 def test_cpu_splits() -> None:
@@ -113,8 +127,11 @@ def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert r.exit_code == 0 and "--prefill-kv" not in r.output
     bad = runner.invoke(cli.app, ["up", "--dry-run", "--hardware-backend", "tpu"])
     assert bad.exit_code != 0
-    bad = runner.invoke(cli.app, ["up", "--dry-run", "--mode", "push", "--connector", "vllm-nixl"])
-    assert bad.exit_code != 0
+    # vLLM's own push connector: the router names P's engine id to D before P answers.
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--mode", "push", "--connector", "vllm-nixl"])
+    assert r.exit_code == 0, r.output
+    assert "NixlPushConnector" in r.output and "--prefill-kv 127.0.0.1:5600" in r.output
+    assert "--prefill-engine-id prefill-127.0.0.1-8100" in r.output
 
 
 def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,6 +148,15 @@ def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     r = runner.invoke(cli.app, ["router", "--prefill", "http://a:1", "--decode", "http://c:3",
                                 "--mode", "push"])
     assert r.exit_code != 0 and len(seen) == 1  # push without --prefill-kv: refused
+    r = runner.invoke(cli.app, ["router", "--prefill", "http://a:1", "--decode", "http://c:3",
+                                "--prefill-kv", "h:5600", "--prefill-engine-id", "pe"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1].push_identity("http://a:1", "r1") == {"remote_engine_id": "pe", "tp_size": 1,
+                                                          "remote_request_id": "r1"}
+    assert seen[-1].push_identity("http://zz:1", "r1") == {}
+    r = runner.invoke(cli.app, ["router", "--prefill", "http://a:1", "--decode", "http://c:3",
+                                "--prefill-engine-id", "pe", "--prefill-engine-id", "pf"])
+    assert r.exit_code != 0  # two ids for one prefill
 
 
 def test_model_command(tmp_path: Path) -> None:

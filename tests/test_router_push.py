@@ -86,6 +86,22 @@ def test_push_legs_concurrent_bodies_and_json_timing(
     assert r.headers["x-kvferry-prefill"] and r.headers["x-kvferry-decode"]
 
 
+def test_push_names_prefill_engine_for_vllm_push_connector(
+    cluster: Callable[..., Cluster], client: httpx.Client
+) -> None:
+    """With prefill_engine_ids (vLLM's NixlPushConnector), D also learns P's engine id and
+    TP size up front; both legs share one x-request-id (vLLM matches on it)."""
+    url, p, d = cluster(prefill_engine_ids=["prefill-7"], prefill_tp_size=2)
+    r = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=PUSH)
+    assert r.status_code == 200, r.text
+    kv = d.received[0]["kv_transfer_params"]
+    assert kv["remote_engine_id"] == "prefill-7" and kv["tp_size"] == 2
+    assert kv["remote_request_id"] == kv["transfer_id"] == r.headers["x-kvferry-transfer-id"]
+    assert kv["do_remote_prefill"] is True and kv["remote_port"] == KV_ADDR[1]
+    assert "remote_engine_id" not in p.received[0]["kv_transfer_params"]
+    assert p.headers[0]["x-request-id"] == d.headers[0]["x-request-id"]
+
+
 def test_push_slow_prefill_does_not_hold_decode(
     cluster: Callable[..., Cluster], client: httpx.Client
 ) -> None:

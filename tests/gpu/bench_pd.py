@@ -1,6 +1,7 @@
-"""H200 x2 push-vs-pull benchmark driver (one device call): kvferry push, kvferry pull,
-the prefill engine serving alone (colocated), then vLLM's built-in NixlConnector (pull),
-all with the same model shape, prompts lengths and rates; lines go to --out.
+"""H200 x2 push-vs-pull benchmark driver: kvferry push, kvferry pull, the prefill engine
+serving alone (colocated), then vLLM's built-in NixlConnector (pull) and NixlPushConnector
+(push), the latter driven by the same router; same model shape, prompt lengths and rates;
+lines go to --out. Engines run with CUDA graphs unless --eager.
 
     python tests/gpu/bench_pd.py --shape qwen3-0.6b --input-len 4096,16384 --qps 2,8 \
         --out $OUT/push_vs_pull-h200x2-DATE.jsonl
@@ -9,6 +10,7 @@ all with the same model shape, prompts lengths and rates; lines go to --out.
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,18 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> No
         for e in (s.prefill, s.decode):
             lines = [ln for ln in e.log().splitlines() if "kvferry WRITE" in ln or "kvferry READ" in ln]
             print(e.role, len(lines), "transfers; last:", lines[-2:], flush=True)
+        print("push timeline:", push_timeline(s.prefill.log(), s.decode.log()), flush=True)
+
+
+def push_timeline(p_log: str, d_log: str) -> dict[str, float]:
+    """Medians from the connectors' logs: WRITE duration, WRITE done after the prefill
+    ended (P), KV in after D registered (D); the rest of the handoff is engine steps."""
+    def med(pattern: str, text: str) -> float:
+        vals = sorted(float(m) for m in re.findall(pattern, text))
+        return vals[len(vals) // 2] if vals else float("nan")
+    return {"write_ms": med(r"descriptors, ([\d.]+) ms; done", p_log),
+            "write_done_after_prefill_ms": med(r"done ([\d.]+) ms after the prefill", p_log),
+            "kv_in_after_register_ms": med(r"KV in, ([\d.]+) ms after registering", d_log)}
 
 
 def main() -> int:
@@ -56,19 +70,21 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--only-vllm", action="store_true")
+    ap.add_argument("--vllm-modes", default="pull,push", help="vLLM connectors to run")
+    ap.add_argument("--eager", action="store_true", help="engines without CUDA graphs")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
     engine_args = ("--max-model-len", "20000", "--no-enable-prefix-caching",
-                   "--gpu-memory-utilization", "0.85")
+                   "--gpu-memory-utilization", "0.85") + (("--enforce-eager",) if args.eager else ())
     if not args.only_vllm:
         run_kvferry(args, model, tmp, engine_args)
-    if not args.skip_vllm:
+    for mode in [] if args.skip_vllm else args.vllm_modes.split(","):
         t0 = time.monotonic()
-        with pd_stack(model, tmp / "logs-vllm", connector="vllm-nixl", backend="cuda",
-                      engine_args=engine_args) as s:
-            print(f"vLLM NixlConnector stack up in {time.monotonic() - t0:.0f}s", flush=True)
-            bench([f"vllm-pull={s.router},impl=vllm-0.26.0,mode=pull"], args, "push_vs_pull")
+        with pd_stack(model, tmp / f"logs-vllm-{mode}", connector="vllm-nixl", backend="cuda",
+                      engine_args=engine_args, mode=mode) as s:
+            print(f"vLLM {mode} stack up in {time.monotonic() - t0:.0f}s", flush=True)
+            bench([f"vllm-{mode}={s.router},impl=vllm-0.26.0,mode={mode}"], args, "push_vs_pull")
     return 0
 
 

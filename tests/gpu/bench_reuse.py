@@ -1,11 +1,17 @@
 """Multi-turn reuse benchmark driver (one device call): turn-2 TTFT with D->P reuse on vs
-off through kvferry's router, then a P that keeps its own prefix cache (the local-hit
-ideal), same conversations; JSON lines (bench-schema) go to --out.
+off through kvferry's router, the local-hit ideal, and vLLM's built-in bidirectional
+NixlConnector, same conversations; JSON lines (bench-schema) go to --out.
 
 Per history size S: turn 1 = S tokens, turn 2 = turn 1 + D's answer + --new-tokens (512),
-the agent pattern (a long history, a short new message). P runs with prefix caching off
-(it evicted the history, or it is another P), so without reuse it recomputes it all.
-Warm-up conversations use other prompts, so no cache holds a measured prompt beforehand.
+the agent pattern (a long history, a short new message). kvferry's P keeps prefix caching
+on but the driver empties it (vLLM's dev endpoint /reset_prefix_cache) before every turn
+of the on/off runs, so P has evicted the history (or is another P) and without reuse
+recomputes it all; for local_hit it empties it only before turn 1 (the ideal: P still
+holds the history). One kvferry stack serves all three, so they share engines. D runs
+without prefix caching (it must not answer turn 2 from its own cache).
+
+vLLM's bidirectional connector is driven the way its proxy does: P leg, then D leg with
+P's kv_transfer_params; D's final params (its leased blocks) go to P on turn 2.
 
     python tests/gpu/bench_reuse.py --shape qwen3-8b --history 2048,8192,16384,24576 \
         --out $OUT/bidirectional-h200x2-DATE.jsonl
@@ -60,22 +66,79 @@ def stream_turn(router: str, model: str, toks: list[int], out_len: int, cid: str
     return ttft or float("nan"), out, reused
 
 
+def reset_prefix_cache(url: str) -> None:
+    """Empty an engine's prefix cache (dev endpoint); retried while blocks are still held."""
+    for _ in range(50):
+        r = httpx.post(url + "/reset_prefix_cache", timeout=30)
+        r.raise_for_status()
+        if r.json().get("success", True):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url}: prefix cache still busy")
+
+
 def conversation(router: str, model: str, sizes: list[int], out_len: int, seed: int,
-                 cid: str | None, mode: str, vocab: int) -> list[dict]:
+                 cid: str | None, mode: str, vocab: int, before_turn=None, turn_fn=None
+                 ) -> list[dict]:
     rnd = random.Random(seed)
     toks: list[int] = []
     rows = []
+    state: dict = {}
     for t, size in enumerate(sizes, 1):
         toks = toks + [rnd.randrange(100, vocab - 100) for _ in range(max(size - len(toks), 16))]
-        ttft, out, reused = stream_turn(router, model, toks, out_len, cid, mode)
+        if before_turn is not None:
+            before_turn(t)
+        if turn_fn is not None:  # vLLM's own bidirectional flow
+            ttft, out, reused = turn_fn(toks, out_len, state)
+        else:
+            ttft, out, reused = stream_turn(router, model, toks, out_len, cid, mode)
         rows.append({"turn": t, "input_len": len(toks), "ttft_ms": ttft, "out": out,
                      "reused_tokens": reused})
         toks = toks + (out or [rnd.randrange(100, vocab - 100) for _ in range(out_len)])
     return rows
 
 
-def run_mode(router: str, args, label: str, use_cid: bool, mode: str, seed0: int
-             ) -> dict[int, list[list[dict]]]:
+def vllm_turn(p_url: str, d_url: str, model: str, reuse: bool):
+    """One turn through vLLM's bidirectional NixlConnector, as its proxy drives it.
+
+    Turn 1: P computes, D reads P's blocks (pull) and answers non-streaming so its final
+    kv_transfer_params (the leased blocks) come back. Turn 2 (timed from the P leg's start
+    to D's first streamed token): P gets those params and READs the history from D.
+    """
+    def turn(toks: list[int], out_len: int, state: dict) -> tuple[float, list[int], int]:
+        base = {"model": model, "prompt": toks, "temperature": 0, "return_token_ids": True}
+        p_params = state.get("d_params") or {"do_remote_decode": True}
+        t0 = time.perf_counter()
+        p = httpx.post(p_url + "/v1/completions", timeout=300, json={
+            **base, "max_tokens": 1, "kv_transfer_params": p_params})
+        p.raise_for_status()
+        kv = p.json().get("kv_transfer_params")
+        body = {**base, "max_tokens": out_len, "min_tokens": out_len, "kv_transfer_params": kv}
+        reused = int(p_params.get("remote_num_tokens") or 0)  # offered by D (vLLM reports
+        # no count of what P really read; TTFT shows it)
+        if "d_params" not in state:  # turn 1: non-streaming, for D's params
+            d = httpx.post(d_url + "/v1/completions", json=body, timeout=300)
+            d.raise_for_status()
+            j = d.json()
+            state["d_params"] = j.get("kv_transfer_params") if reuse else None
+            return (time.perf_counter() - t0) * 1e3, list(j["choices"][0]["token_ids"]), 0
+        ttft, out = None, []
+        with httpx.stream("POST", d_url + "/v1/completions", timeout=300,
+                          json={**body, "stream": True}) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for ch in json.loads(line[6:]).get("choices", []):
+                    if ttft is None and (ch.get("text") or ch.get("token_ids")):
+                        ttft = (time.perf_counter() - t0) * 1e3
+                    out += ch.get("token_ids") or []
+        return ttft or float("nan"), out, reused
+    return turn
+
+
+def run_mode(router: str, args, label: str, use_cid: bool, mode: str, seed0: int,
+             before_turn=None, turn_factory=None) -> dict[int, list[list[dict]]]:
     """For each history size S: conversations of two turns, S tokens then S + answer +
     --new-tokens; returns {S: [turn rows per conversation]}."""
     out: dict[int, list[list[dict]]] = {}
@@ -85,7 +148,8 @@ def run_mode(router: str, args, label: str, use_cid: bool, mode: str, seed0: int
             cid = f"{label}-{size}-{c}-{os.getpid()}" if use_cid else None
             sizes = [size, size + args.output_len + args.new_tokens]
             rows = conversation(router, args.model_path, sizes, args.output_len,
-                                seed0 + 100 * si + c, cid, mode, SHAPES[args.shape].vocab_size)
+                                seed0 + 100 * si + c, cid, mode, SHAPES[args.shape].vocab_size,
+                                before_turn, turn_factory() if turn_factory else None)
             out[size].append(rows)
             print(label, size, c, [(r["input_len"], round(r["ttft_ms"], 1), r["reused_tokens"])
                                    for r in rows], flush=True)
@@ -112,6 +176,8 @@ def main() -> int:
     ap.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--hardware", default="h200x2")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--eager", action="store_true", help="engines without CUDA graphs")
+    ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.history.split(",")]
     tmp = Path(tempfile.mkdtemp())
@@ -119,37 +185,63 @@ def main() -> int:
     common: tuple[str, ...] = ("--max-model-len", str(max(args.sizes) + 2048))
     if args.backend == "cuda":
         common += ("--gpu-memory-utilization", "0.85")
-    results: dict[str, dict[int, list[list[dict]]]] = {}
+    if args.eager:
+        common += ("--enforce-eager",)
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
+    results: dict[tuple[str, str], dict[int, list[list[dict]]]] = {}
     t0 = time.monotonic()
     with pd_stack(args.model_path, tmp / "logs", backend=args.backend, engine_args=common,
-                  prefill_args=("--no-enable-prefix-caching",)) as s:
+                  decode_args=("--no-enable-prefix-caching",)) as s:
         print(f"stack up in {time.monotonic() - t0:.0f}s", flush=True)
-        run_mode(s.router, args, "warmup", True, args.mode, 90_000)  # other prompts
-        results["reuse_on"] = run_mode(s.router, args, "reuse_on", True, args.mode, 1000)
-        results["reuse_off"] = run_mode(s.router, args, "reuse_off", False, args.mode, 1000)
+        p_url = s.prefill.url
+
+        def evicted(turn: int) -> None:  # P lost the history (or is another P)
+            reset_prefix_cache(p_url)
+
+        def warm_only(turn: int) -> None:  # P keeps what turn 1 computed
+            if turn == 1:
+                reset_prefix_cache(p_url)
+
+        run_mode(s.router, args, "warmup", True, args.mode, 90_000, evicted)  # other prompts
+        results["kvferry", "reuse_on"] = run_mode(s.router, args, "reuse_on", True, args.mode,
+                                                  1000, evicted)
+        results["kvferry", "reuse_off"] = run_mode(s.router, args, "reuse_off", False,
+                                                   args.mode, 1000, evicted)
+        results["kvferry", "local_hit"] = run_mode(s.router, args, "local_hit", False,
+                                                   args.mode, 1000, warm_only)
         lines = [ln for ln in s.prefill.log().splitlines() if "reuse READ" in ln]
         print("prefill", len(lines), "reuse READs; last:", lines[-2:], flush=True)
-    t0 = time.monotonic()
-    # The ideal: a P whose own prefix cache still holds the history (same prompts; it has
-    # seen only the earlier turns of each conversation).
-    with pd_stack(args.model_path, tmp / "logs-local", backend=args.backend,
-                  engine_args=common) as s:
-        print(f"local-hit stack up in {time.monotonic() - t0:.0f}s", flush=True)
-        run_mode(s.router, args, "warmup-local", False, args.mode, 90_000)
-        results["local_hit"] = run_mode(s.router, args, "local_hit", False, args.mode, 1000)
+    if not args.skip_vllm:
+        t0 = time.monotonic()
+        no_pc = ("--no-enable-prefix-caching",)
+        with pd_stack(args.model_path, tmp / "logs-vllm", connector="vllm-nixl",
+                      backend=args.backend, engine_args=common + no_pc,
+                      extra={"bidirectional_kv_xfer": True}) as s:
+            print(f"vLLM bidirectional stack up in {time.monotonic() - t0:.0f}s", flush=True)
+            p_url, d_url = s.prefill.url, s.decode.url
+
+            def factory(reuse: bool):
+                return lambda: vllm_turn(p_url, d_url, args.model_path, reuse)
+
+            run_mode("", args, "vllm-warmup", False, args.mode, 90_000, None, factory(True))
+            results["vllm-0.26.0", "reuse_on"] = run_mode("", args, "vllm-on", False, "pull",
+                                                          1000, None, factory(True))
+            results["vllm-0.26.0", "reuse_off"] = run_mode("", args, "vllm-off", False, "pull",
+                                                           1000, None, factory(False))
 
     cmd = "python tests/gpu/bench_reuse.py " + " ".join(sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
-        for mode, by_size in results.items():
+        for (impl, mode), by_size in results.items():
             for size, convs in by_size.items():
                 for ti in range(2):
                     rows = [conv[ti] for conv in convs]
-                    offs = [conv[ti] for conv in results["reuse_off"][size]]
+                    offs = [conv[ti] for conv in results[impl, "reuse_off"][size]]
                     ttfts = sorted(r["ttft_ms"] for r in rows)
                     f.write(json.dumps({
-                        "experiment": "bidirectional", "impl": "kvferry", "mode": mode,
-                        "transfer_mode": args.mode, "hardware": args.hardware,
+                        "experiment": "bidirectional", "impl": impl, "mode": mode,
+                        "transfer_mode": args.mode if impl == "kvferry" else "pull",
+                        "hardware": args.hardware,
                         "model": args.shape, "turn": ti + 1, "history_len": size,
                         "input_len": rows[0]["input_len"], "new_tokens": args.new_tokens,
                         "output_len": args.output_len, "qps": 0, "n": len(rows),
