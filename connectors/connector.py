@@ -40,6 +40,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._sched: TransferScheduler | None = None
         self._worker = None
         self._bad_blocks: set[int] = set()
+        self._delivered = False  # the last get_finished returned something
         self._control = None
         # Boot id: tells a restarted engine (same engine id, different blocks) apart.
         self.instance = str(getattr(vllm_config, "instance_id", "") or id(self))
@@ -199,9 +200,13 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         meta = self._connector_metadata
-        idle = isinstance(meta, KvferryMeta) and meta.step.idle
+        # Wait on an idle step, except right after a step that delivered results: with
+        # async scheduling the step after it was scheduled before vLLM saw them, and
+        # waiting there would delay the newly loaded request's first token.
+        idle = isinstance(meta, KvferryMeta) and meta.step.idle and not self._delivered
         res = self._worker.results(self.cfg.idle_step_wait_ms / 1e3 if idle else 0.0)
         self._bad_blocks |= res.bad_blocks
+        self._delivered = bool(res.sent or res.recvd)
         return (res.sent or None), (res.recvd or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -84,7 +84,9 @@ class PushEndpoint:
         self._last_tick = 0.0
 
     def busy(self) -> bool:
-        return bool(self._writes)
+        """A WRITE in flight, or a registration / Wrote notification awaited: poll often
+        (each poll interval would add to the handoff)."""
+        return bool(self._writes or self._d or self._p)
 
     # -- from the engine's step metadata -------------------------------------------------
     def accept(self, meta: StepMeta, now: float) -> None:

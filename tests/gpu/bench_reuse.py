@@ -7,11 +7,15 @@ the agent pattern (a long history, a short new message). kvferry's P keeps prefi
 on but the driver empties it (vLLM's dev endpoint /reset_prefix_cache) before every turn
 of the on/off runs, so P has evicted the history (or is another P) and without reuse
 recomputes it all; for local_hit it empties it only before turn 1 (the ideal: P still
-holds the history). One kvferry stack serves all three, so they share engines. D runs
-without prefix caching (it must not answer turn 2 from its own cache).
+holds the history). One kvferry stack serves all three, so they share engines. D keeps
+vLLM's default prefix caching: within a conversation it holds turn 1's blocks (under the
+lease, or freed but still cached when reuse is off), so P pushes only the blocks D lacks;
+between conversations the driver ends the lease and empties D's cache too.
 
 vLLM's bidirectional connector is driven the way its proxy does: P leg, then D leg with
-P's kv_transfer_params; D's final params (its leased blocks) go to P on turn 2.
+P's kv_transfer_params; D's final params (its leased blocks) go to P on turn 2. Its D runs
+without prefix caching (its pinned blocks cannot be released early, so its cache could not
+be emptied between the on and off runs, which share prompts).
 
     python tests/gpu/bench_reuse.py --shape qwen3-8b --history 2048,8192,16384,24576 \
         --out $OUT/bidirectional-h200x2-DATE.jsonl
@@ -41,15 +45,15 @@ from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
 
 def stream_turn(router: str, model: str, toks: list[int], out_len: int, cid: str | None,
-                mode: str) -> tuple[float, list[int], int]:
-    """(TTFT ms, output token ids, reused tokens) of one streamed turn."""
+                mode: str) -> tuple[float, list[int], int, float | None]:
+    """(TTFT ms, output token ids, reused tokens, P leg ms) of one streamed turn."""
     body = {"model": model, "prompt": toks, "max_tokens": out_len, "min_tokens": out_len,
             "temperature": 0, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
     if cid:
         body["conversation_id"] = cid
     t0 = time.perf_counter()
-    ttft, out, reused = None, [], 0
+    ttft, out, reused, p_ms = None, [], 0, None
     with httpx.stream("POST", router + "/v1/completions", json=body, timeout=300,
                       headers={"x-kvferry-mode": mode}) as r:
         r.raise_for_status()
@@ -59,11 +63,12 @@ def stream_turn(router: str, model: str, toks: list[int], out_len: int, cid: str
                 continue
             ev = json.loads(line[6:])
             reused = int(ev.get("kvferry_reused_tokens", reused))
+            p_ms = ev.get("kvferry_prefill_ms", p_ms)
             for ch in ev.get("choices", []):
                 if ttft is None and (ch.get("text") or ch.get("token_ids")):
                     ttft = (time.perf_counter() - t0) * 1e3
                 out += ch.get("token_ids") or []
-    return ttft or float("nan"), out, reused
+    return ttft or float("nan"), out, reused, p_ms
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -89,11 +94,11 @@ def conversation(router: str, model: str, sizes: list[int], out_len: int, seed: 
         if before_turn is not None:
             before_turn(t)
         if turn_fn is not None:  # vLLM's own bidirectional flow
-            ttft, out, reused = turn_fn(toks, out_len, state)
+            ttft, out, reused, p_ms = turn_fn(toks, out_len, state)
         else:
-            ttft, out, reused = stream_turn(router, model, toks, out_len, cid, mode)
+            ttft, out, reused, p_ms = stream_turn(router, model, toks, out_len, cid, mode)
         rows.append({"turn": t, "input_len": len(toks), "ttft_ms": ttft, "out": out,
-                     "reused_tokens": reused})
+                     "reused_tokens": reused, "prefill_ms": p_ms})
         toks = toks + (out or [rnd.randrange(100, vocab - 100) for _ in range(out_len)])
     return rows
 
@@ -105,7 +110,8 @@ def vllm_turn(p_url: str, d_url: str, model: str, reuse: bool):
     kv_transfer_params (the leased blocks) come back. Turn 2 (timed from the P leg's start
     to D's first streamed token): P gets those params and READs the history from D.
     """
-    def turn(toks: list[int], out_len: int, state: dict) -> tuple[float, list[int], int]:
+    def turn(toks: list[int], out_len: int, state: dict
+             ) -> tuple[float, list[int], int, float | None]:
         base = {"model": model, "prompt": toks, "temperature": 0, "return_token_ids": True}
         p_params = state.get("d_params") or {"do_remote_decode": True}
         t0 = time.perf_counter()
@@ -113,6 +119,7 @@ def vllm_turn(p_url: str, d_url: str, model: str, reuse: bool):
             **base, "max_tokens": 1, "kv_transfer_params": p_params})
         p.raise_for_status()
         kv = p.json().get("kv_transfer_params")
+        p_ms = (time.perf_counter() - t0) * 1e3
         body = {**base, "max_tokens": out_len, "min_tokens": out_len, "kv_transfer_params": kv}
         reused = int(p_params.get("remote_num_tokens") or 0)  # offered by D (vLLM reports
         # no count of what P really read; TTFT shows it)
@@ -121,7 +128,7 @@ def vllm_turn(p_url: str, d_url: str, model: str, reuse: bool):
             d.raise_for_status()
             j = d.json()
             state["d_params"] = j.get("kv_transfer_params") if reuse else None
-            return (time.perf_counter() - t0) * 1e3, list(j["choices"][0]["token_ids"]), 0
+            return (time.perf_counter() - t0) * 1e3, list(j["choices"][0]["token_ids"]), 0, p_ms
         ttft, out = None, []
         with httpx.stream("POST", d_url + "/v1/completions", timeout=300,
                           json={**body, "stream": True}) as r:
@@ -133,7 +140,7 @@ def vllm_turn(p_url: str, d_url: str, model: str, reuse: bool):
                     if ttft is None and (ch.get("text") or ch.get("token_ids")):
                         ttft = (time.perf_counter() - t0) * 1e3
                     out += ch.get("token_ids") or []
-        return ttft or float("nan"), out, reused
+        return ttft or float("nan"), out, reused, p_ms
     return turn
 
 
@@ -151,9 +158,16 @@ def run_mode(router: str, args, label: str, use_cid: bool, mode: str, seed0: int
                                 seed0 + 100 * si + c, cid, mode, SHAPES[args.shape].vocab_size,
                                 before_turn, turn_factory() if turn_factory else None)
             out[size].append(rows)
+            if cid and router:  # end of conversation: D releases the lease at once
+                httpx.delete(f"{router}/v1/kvferry/conversations/{cid}", timeout=30)
             print(label, size, c, [(r["input_len"], round(r["ttft_ms"], 1), r["reused_tokens"])
                                    for r in rows], flush=True)
     return out
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
 
 
 def commit() -> str:
@@ -190,17 +204,19 @@ def main() -> int:
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     results: dict[tuple[str, str], dict[int, list[list[dict]]]] = {}
     t0 = time.monotonic()
-    with pd_stack(args.model_path, tmp / "logs", backend=args.backend, engine_args=common,
-                  decode_args=("--no-enable-prefix-caching",)) as s:
+    with pd_stack(args.model_path, tmp / "logs", backend=args.backend, engine_args=common) as s:
         print(f"stack up in {time.monotonic() - t0:.0f}s", flush=True)
-        p_url = s.prefill.url
+        p_url, d_url = s.prefill.url, s.decode.url
 
         def evicted(turn: int) -> None:  # P lost the history (or is another P)
             reset_prefix_cache(p_url)
+            if turn == 1:  # a new conversation: nobody has seen its prompt
+                reset_prefix_cache(d_url)
 
         def warm_only(turn: int) -> None:  # P keeps what turn 1 computed
             if turn == 1:
                 reset_prefix_cache(p_url)
+                reset_prefix_cache(d_url)
 
         run_mode(s.router, args, "warmup", True, args.mode, 90_000, evicted)  # other prompts
         results["kvferry", "reuse_on"] = run_mode(s.router, args, "reuse_on", True, args.mode,
@@ -248,6 +264,7 @@ def main() -> int:
                         "ttft_ms_p50": round(statistics.median(ttfts), 3),
                         "ttft_ms_p90": round(ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], 3),
                         "reused_tokens": int(statistics.median(r["reused_tokens"] for r in rows)),
+                        "prefill_ms_p50": _median([r["prefill_ms"] for r in rows]),
                         "outputs_match": all(r["out"] == o["out"]
                                              for r, o in zip(rows, offs, strict=True)),
                         "command": cmd, "commit": commit(),
