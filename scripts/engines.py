@@ -42,6 +42,7 @@ class EngineSpec:
     lease_control_port: int | None = None  # default side port + 50 (connector's default)
     devices_per_engine: int = 1
     cpus: tuple[int, ...] | None = None
+    devices: tuple[int, ...] | None = None  # CUDA/Neuron ids; default: by role (see device_share)
     kv_cache_gib: int = 1
     ucx_tls: str | None = None
     served_model_name: str | None = None
@@ -185,7 +186,10 @@ def cpu_share(cpus: tuple[int, ...], index: int, parts: int = 2) -> str:
 
 
 def device_share(spec: EngineSpec) -> list[int]:
-    """Device ids for this role: prefill takes the first block, decode the next."""
+    """Device ids for this engine: as given, else prefill takes the first block of
+    devices_per_engine ids and decode the next (one pair per host)."""
+    if spec.devices is not None:
+        return list(spec.devices)
     k = spec.devices_per_engine
     return list(range(spec.index * k, (spec.index + 1) * k))
 

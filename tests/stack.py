@@ -108,12 +108,12 @@ class Stack:
 
 def start_engine(role: str, model: str, logs: Path, secret: str, connector: str = "kvferry",
                  extra: dict[str, Any] | None = None, cpus: tuple[int, ...] | None = None,
-                 backend: str = "cpu", engine_args: tuple[str, ...] = (), mode: str = "pull"
-                 ) -> Engine:
+                 backend: str = "cpu", engine_args: tuple[str, ...] = (), mode: str = "pull",
+                 devices: tuple[int, ...] | None = None) -> Engine:
     port, side, control = free_port(), free_port(), free_port()
     spec = EngineSpec(role=role, model=model, port=port, connector=connector,  # type: ignore[arg-type]
                       side_channel_port=side, lease_control_port=control, cpus=cpus,
-                      connector_extra=extra or {}, mode=mode,  # type: ignore[arg-type]
+                      connector_extra=extra or {}, mode=mode, devices=devices,  # type: ignore[arg-type]
                       backend=backend, extra_args=engine_args)  # type: ignore[arg-type]
     env = {**engine_env(spec), "KVFERRY_SECRET": secret}
     child = Child(role, engine_argv(spec), logs / f"{role}-{port}.log",

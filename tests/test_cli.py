@@ -84,6 +84,8 @@ def test_cuda_and_neuron() -> None:
     d = EngineSpec(role="decode", model="/m", port=2, backend="cuda", devices_per_engine=2)
     assert engine_env(p)["CUDA_VISIBLE_DEVICES"] == "0"
     assert engine_env(d)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    p1 = EngineSpec(role="prefill", model="/m", port=3, backend="cuda", devices=(1,))
+    assert engine_env(p1)["CUDA_VISIBLE_DEVICES"] == "1"  # 2P2D: a second P on GPU 1
     assert kv_transfer_config(p)["kv_buffer_device"] == "cuda"
     assert _flag(engine_argv(d), "--tensor-parallel-size") == "2"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(p)

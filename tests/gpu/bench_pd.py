@@ -26,7 +26,8 @@ from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
 def bench(targets: list[str], args, experiment: str) -> None:
     cmd = [sys.executable, "-m", "kvferry.scripts.cli", "bench", "--experiment", experiment,
-           "--hardware", "h200x2", "--model-name", args.shape, "--vocab", str(SHAPES[args.shape].vocab_size),
+           "--hardware", getattr(args, "hardware", "h200x2"), "--model-name", args.shape,
+           "--vocab", str(SHAPES[args.shape].vocab_size),
            "--input-len", args.input_len, "--output-len", str(args.output_len), "--qps", args.qps,
            "--num-requests", str(args.num_requests), "--results-dir", str(Path(args.out).parent)]
     for t in targets:
