@@ -11,7 +11,6 @@ import os
 import random
 import re
 import secrets
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from helpers_http import serve
+from helpers_http import free_port, serve
 
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
@@ -52,11 +51,6 @@ def tiny_stack(tmp_path_factory: Any, extra: dict[str, Any]) -> Iterator[Stack]:
     with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=extra) as s:
         yield s
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -120,6 +114,16 @@ def start_engine(role: str, model: str, logs: Path, secret: str, connector: str 
                   f"http://127.0.0.1:{port}/health", env)
     child.start()
     return Engine(role, f"http://127.0.0.1:{port}", child, side, control, vllm_engine_id(spec))
+
+
+def kvferry_router_settings(prefills: list[Engine], decodes: list[Engine], **kw: Any
+                            ) -> RouterSettings:
+    """Router settings for kvferry engines: every P's side channel (push) and every D's
+    lease-control address (conversation reuse), in the engines' order."""
+    return RouterSettings(
+        prefill_urls=[p.url for p in prefills], decode_urls=[d.url for d in decodes],
+        prefill_kv_addrs=[f"127.0.0.1:{p.side_port}" for p in prefills],
+        decode_control_addrs=[f"127.0.0.1:{d.control_port}" for d in decodes], **kw)
 
 
 @contextmanager

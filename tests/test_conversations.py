@@ -4,11 +4,11 @@ over the lease-control channel (ZMQ on loopback), no engines."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable
 
 import pytest
+from helpers_http import free_port
 
 from kvferry.connectors.lease import LeaseError
 from kvferry.connectors.lease_control import ControlServer
@@ -32,11 +32,6 @@ B = {"authorization": "Bearer key-B"}
 def _secret(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, KEY.decode())  # the ControlServer verifies with it
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class D:

@@ -24,11 +24,19 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from helpers_http import serve
-from stack import STARTUP_S, Engine, assert_same_output, complete, prompt, start_engine, wait_until
+from stack import (
+    STARTUP_S,
+    Engine,
+    assert_same_output,
+    complete,
+    kvferry_router_settings,
+    prompt,
+    start_engine,
+    wait_until,
+)
 from test_e2e_reuse import expected_reuse, out_tokens, reused_of
 
 from kvferry.router.app import create_app
-from kvferry.router.settings import RouterSettings
 from kvferry.scripts.engines import available_cpus
 from kvferry.scripts.procs import stop_all, wait_healthy
 
@@ -93,11 +101,7 @@ def cluster(tmp_path_factory):
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda e: complete(e.url, model, prompt(200, 0), max_tokens=2),
                           ps + ds))
-        settings = RouterSettings(
-            prefill_urls=[p.url for p in ps], decode_urls=[d.url for d in ds],
-            prefill_kv_addrs=[f"127.0.0.1:{p.side_port}" for p in ps],
-            decode_control_addrs=[f"127.0.0.1:{d.control_port}" for d in ds],
-            prefill_timeout_s=300, decode_timeout_s=300)
+        settings = kvferry_router_settings(ps, ds, prefill_timeout_s=300, decode_timeout_s=300)
         router = stack.enter_context(serve(create_app(settings, secret.encode())))
         yield Cluster(ps, ds, router, model)
 

@@ -8,14 +8,9 @@ import time
 
 import pytest
 import zmq
+from helpers_http import free_port
 
 from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import msgspec
 import pytest
+from helpers_http import free_port
 
 from kvferry.connectors import lease_control as lc
 from kvferry.connectors.lease_keeper import LeaseKeeper
@@ -23,11 +23,6 @@ TOKENS = list(range(16))
 def _secret(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, KEY.decode())
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_keeper(**kw) -> LeaseKeeper:

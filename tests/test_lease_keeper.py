@@ -4,6 +4,7 @@ renew/release/info, and time-based frees (grace after release, expiry, eviction)
 from __future__ import annotations
 
 import pytest
+from helpers_clock import Clock
 
 from kvferry.connectors.lease import LeaseError
 from kvferry.connectors.lease_keeper import TICK_S, LeaseKeeper
@@ -21,14 +22,6 @@ BLOCKS = [7, 8, 9]
 @pytest.fixture(autouse=True)
 def _secret(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "test-secret")
-
-
-class Clock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def keeper(clock: Clock, **kw) -> LeaseKeeper:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers_http import free_port
 
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory import CpuBackend
@@ -55,11 +55,6 @@ def nrt(tmp_path_factory: pytest.TempPathFactory):
     libnrt.reset()
     mp.undo()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dev_bytes(t: NrtTensor) -> bytes:

@@ -4,6 +4,7 @@ it back on the next turn (ReuseRead) and reports what it did in its returned par
 from __future__ import annotations
 
 import pytest
+from helpers_clock import Clock
 
 from kvferry.connectors.lease_keeper import LeaseKeeper
 from kvferry.connectors.params import SECRET_ENV, SIG, parse_lease, parse_offer
@@ -24,14 +25,6 @@ P_BLOCKS = list(range(10, 18))  # 8 blocks for 32 tokens
 @pytest.fixture(autouse=True)
 def _secret(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "test-secret")
-
-
-class Clock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ Pure state plus KvferryConnector with stub vLLM objects: no engines, no NIXL tra
 
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
 import pytest
+from helpers_http import free_port
 from vllm.v1.core.sched.output import CachedRequestData
 
 from kvferry.connectors import compat
@@ -30,11 +30,6 @@ def _secret(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "staged-saves-secret")
     monkeypatch.delenv(ENV_STAGING, raising=False)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sched(stage: bool = True) -> TransferScheduler:

@@ -6,13 +6,13 @@ real signed offers from TransferScheduler, so this is the pull path minus vLLM.
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections.abc import Callable
 
 import pytest
 import torch
+from helpers_http import free_port
 
 from kvferry.connectors import messages
 from kvferry.connectors.config import ConnectorConfig
@@ -27,11 +27,6 @@ pytestmark = pytest.mark.timeout(60)
 N, BS = 16, 4
 PROMPT = list(range(1, 23))  # 22 tokens -> 6 blocks
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def caches(seed: int | None) -> dict[str, torch.Tensor]:

@@ -20,10 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_pd import bench  # noqa: E402
 from helpers_http import serve  # noqa: E402
-from stack import STARTUP_S, start_engine  # noqa: E402
+from stack import STARTUP_S, kvferry_router_settings, start_engine  # noqa: E402
 
 from kvferry.router.app import create_app  # noqa: E402
-from kvferry.router.settings import RouterSettings  # noqa: E402
 from kvferry.scripts.modelgen import write_model  # noqa: E402
 from kvferry.scripts.procs import stop_all, wait_healthy  # noqa: E402
 
@@ -55,11 +54,7 @@ def main() -> int:
             children.append(e.child)
         wait_healthy(children, STARTUP_S)
         ps, ds = [engines["p0"], engines["p1"]], [engines["d0"], engines["d1"]]
-        settings = RouterSettings(
-            prefill_urls=[p.url for p in ps], decode_urls=[d.url for d in ds],
-            prefill_kv_addrs=[f"127.0.0.1:{p.side_port}" for p in ps],
-            decode_control_addrs=[f"127.0.0.1:{d.control_port}" for d in ds],
-            prefill_timeout_s=120, decode_timeout_s=120)
+        settings = kvferry_router_settings(ps, ds, prefill_timeout_s=120, decode_timeout_s=120)
         router = stack.enter_context(serve(create_app(settings, secret.encode())))
         print(f"2P2D up in {time.monotonic() - t0:.0f}s", flush=True)
         args.hardware = "h200x4"
