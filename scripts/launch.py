@@ -28,6 +28,8 @@ from typing import Annotated
 
 import typer
 
+from .engines import CUDA_KVFERRY_ENV
+
 
 @dataclass(frozen=True)
 class InstanceSpec:
@@ -249,6 +251,7 @@ def _engine_env(backend: str, devs: tuple[int, ...], lnc: int, backends: list[st
             env["KVFERRY_NEURON_STAGING"] = staging
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devs))
+        env.update(CUDA_KVFERRY_ENV)  # cross-layer KV blocks (see engines.py)
         if "UCX" in backends:
             env["UCX_TLS"] = P5EN_UCX_TLS
             env["UCX_NET_DEVICES"] = "all"

@@ -95,6 +95,7 @@ def test_p5en_gpus_ucx_and_libfabric() -> None:
     assert [e.host for e in es] == ["g0", "g0", "g1", "g1", "g1"]
     for e in es:
         assert e.env["UCX_TLS"] == "srd,cuda_copy,cuda_ipc,sm,self"
+        assert e.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # cross-layer KV blocks
         assert "NEURON_RT_VISIBLE_CORES" not in e.env
         extra = kv_config(e)["kv_connector_extra_config"]
         assert extra["hardware_backend"] == "cuda" and extra["nixl_backends"] == ["UCX"]
