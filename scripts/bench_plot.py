@@ -46,7 +46,9 @@ def plot_lines(lines: Iterable[dict[str, Any]], path: Path) -> Path:
                            zorder=5)
         if multi:
             first, q = panel if panel else (None, None)
-            ax.set_title(f"first turn {first} tok, qps {q:g}" if q is not None else "")
+            parts = ([f"first turn {first} tok"] if first is not None else []) + \
+                ([f"qps {q:g}"] if q else [])
+            ax.set_title(", ".join(parts) or "one conversation at a time")
             ax.set_xlabel("turn prompt length (tokens)")
         else:
             ax.set_title(f"input {panel} tokens" if panel is not None else "no successful points")

@@ -98,6 +98,7 @@ def test_push_names_prefill_engine_for_vllm_push_connector(
     assert kv["remote_engine_id"] == "prefill-7" and kv["tp_size"] == 2
     assert kv["remote_request_id"] == kv["transfer_id"] == r.headers["x-kvferry-transfer-id"]
     assert kv["do_remote_prefill"] is True and kv["remote_port"] == KV_ADDR[1]
+    wait_for(lambda: bool(p.received))  # P's leg runs in the background
     assert "remote_engine_id" not in p.received[0]["kv_transfer_params"]
     assert p.headers[0]["x-request-id"] == d.headers[0]["x-request-id"]
 
