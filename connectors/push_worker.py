@@ -86,7 +86,9 @@ class PushEndpoint:
     def busy(self) -> bool:
         """A WRITE in flight, or a registration / Wrote notification awaited: poll often
         (each poll interval would add to the handoff)."""
-        return bool(self._writes or self._d or self._p)
+        awaiting = bool(self._d or self._p) and self.w.cfg.hardware_backend != "cpu"
+        # CPU engines share few cores (2P2D on two in CI): there the 10 ms poll stays.
+        return bool(self._writes) or awaiting
 
     # -- from the engine's step metadata -------------------------------------------------
     def accept(self, meta: StepMeta, now: float) -> None:
