@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvferry.connectors.memory import HARDWARE_BACKENDS, MemoryBackend, get_backend
 
+IDLE_POLL_S = 0.01  # transfer thread, nothing awaited: the inbox wakes it for new work
+BUSY_POLL_S = 0.0005  # a READ or WRITE in flight
+
 
 class ConnectorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -24,6 +27,11 @@ class ConnectorConfig(BaseModel):
     # spinning a core per engine while a transfer is in flight. A result ends the wait
     # at once. 0 disables.
     idle_step_wait_ms: float = Field(5.0, ge=0, le=100)
+    # How often the transfer thread looks for notifications while one is awaited (a push
+    # registration on P, P's Wrote on D): each interval can add to the push handoff.
+    # Default (None): 0.5 ms on accelerators; 10 ms on CPU, whose engines share few cores
+    # (2P2D on two cores in CI lost a transfer to the busier poll).
+    notif_poll_ms: float | None = Field(None, gt=0, le=100)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = Field(5600, ge=1, le=65535)  # + tp rank
     handshake_timeout_s: float = Field(5.0, gt=0)
@@ -59,6 +67,12 @@ class ConnectorConfig(BaseModel):
     lease_margin_s: float = Field(2.0, gt=0)
     reuse_read_timeout_s: float = Field(1.5, gt=0)
     lease_free_grace_s: float = Field(3.0, gt=0)
+
+    @property
+    def notif_poll_s(self) -> float:
+        if self.notif_poll_ms is not None:
+            return self.notif_poll_ms / 1e3
+        return IDLE_POLL_S if self.hardware_backend == "cpu" else BUSY_POLL_S
 
     @model_validator(mode="after")
     def _lease_timing(self) -> ConnectorConfig:

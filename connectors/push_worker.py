@@ -84,11 +84,12 @@ class PushEndpoint:
         self._last_tick = 0.0
 
     def busy(self) -> bool:
-        """A WRITE in flight, or a registration / Wrote notification awaited: poll often
-        (each poll interval would add to the handoff)."""
-        awaiting = bool(self._d or self._p) and self.w.cfg.hardware_backend != "cpu"
-        # CPU engines share few cores (2P2D on two in CI): there the 10 ms poll stays.
-        return bool(self._writes) or awaiting
+        """A WRITE in flight."""
+        return bool(self._writes)
+
+    def awaiting(self) -> bool:
+        """A registration (P) or a Wrote notification (D) is expected."""
+        return bool(self._d or self._p)
 
     # -- from the engine's step metadata -------------------------------------------------
     def accept(self, meta: StepMeta, now: float) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvferry.connectors import messages
-from kvferry.connectors.config import ConnectorConfig
+from kvferry.connectors.config import BUSY_POLL_S, IDLE_POLL_S, ConnectorConfig
 from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
 from kvferry.connectors.memory import KVLayout
 from kvferry.connectors.push_worker import PushEndpoint
@@ -150,13 +150,19 @@ class TransferWorker:
     # -- transfer thread ---------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = bool(self._reads) or self.push.busy()
             try:
                 with contextlib.suppress(queue.Empty):
-                    self._accept(self._inbox.get(timeout=0.0005 if busy else 0.01))
+                    self._accept(self._inbox.get(timeout=self._poll_s()))
                 self._progress()
             except Exception:  # never let the thread die: requests would hang
                 log.exception("kvferry transfer thread")
+
+    def _poll_s(self) -> float:
+        """How long the thread may sleep before it next polls transfers and notifications."""
+        cfg = self.cfg
+        if self._reads or self.push.busy():
+            return BUSY_POLL_S
+        return cfg.notif_poll_s if self.push.awaiting() else IDLE_POLL_S
 
     def _accept(self, meta: StepMeta) -> None:
         now = time.monotonic()

@@ -21,8 +21,9 @@ then P; both legs are sent at once with one transfer_id. P gets
 "transfer_id", "remote_host", "remote_port"} naming P's kvferry side channel
 (RouterSettings.prefill_kv_addrs), where D registers its blocks and P writes into them.
 Both legs carry the same `x-request-id`; with `prefill_engine_ids` set, D also gets P's
-`remote_engine_id`, `tp_size` and `remote_request_id`, which is all vLLM's own NixlPushConnector needs to be
-driven by this router too (benchmarks compare it side by side).
+`remote_engine_id`, `tp_size` and `remote_request_id`, which is all vLLM's own
+NixlPushConnector needs to be driven by this router too (benchmarks compare it side by
+side).
 The client gets D's answer; P's answer is awaited in the background. A failing P is only
 logged and counted (D's connector falls back to recompute); a failing D or a client that
 goes away cancels P.

@@ -314,3 +314,14 @@ def test_idle_step_waits_for_a_result_and_wakes_at_once(engines):
     p.worker.report(sent={"r2"})
     t0 = time.monotonic()
     assert p.worker.results(5.0).sent == {"r2"} and time.monotonic() - t0 < 0.1
+
+
+def test_notification_poll_follows_the_backend() -> None:
+    """Awaited notifications are polled every 0.5 ms on accelerators (each interval adds to
+    the push handoff), every 10 ms on CPU (engines share few cores), or as configured."""
+    from kvferry.connectors.config import BUSY_POLL_S, IDLE_POLL_S
+
+    assert ConnectorConfig(hardware_backend="cuda").notif_poll_s == BUSY_POLL_S == 0.0005
+    assert ConnectorConfig(hardware_backend="neuron").notif_poll_s == BUSY_POLL_S
+    assert ConnectorConfig(hardware_backend="cpu").notif_poll_s == IDLE_POLL_S == 0.01
+    assert ConnectorConfig(hardware_backend="cpu", notif_poll_ms=2).notif_poll_s == 0.002

@@ -8,7 +8,6 @@ Lines go to --out's folder (bench-schema).
 
 from __future__ import annotations
 
-import argparse
 import secrets
 import sys
 import tempfile
@@ -18,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_pd import bench  # noqa: E402
+from bench_pd import ENGINE_ARGS, bench, serving_args  # noqa: E402
 from helpers_http import serve  # noqa: E402
 from stack import STARTUP_S, kvferry_router_settings, start_engine  # noqa: E402
 
@@ -28,19 +27,9 @@ from kvferry.scripts.procs import stop_all, wait_healthy  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--input-len", default="16384")
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--qps", default="4,8,16,24")
-    ap.add_argument("--num-requests", type=int, default=24)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=300)
-    args = ap.parse_args()
+    args = serving_args("16384", "4,8,16,24", 24, 300).parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
-    common = ("--max-model-len", "20000", "--no-enable-prefix-caching",
-              "--gpu-memory-utilization", "0.85")
     secret = secrets.token_hex(16)
     t0 = time.monotonic()
     with ExitStack() as stack:
@@ -50,7 +39,7 @@ def main() -> int:
         for name, role, gpu in (("p0", "prefill", 0), ("p1", "prefill", 1),
                                 ("d0", "decode", 2), ("d1", "decode", 3)):
             e = engines[name] = start_engine(role, model, tmp / "logs", secret, backend="cuda",
-                                             engine_args=common, devices=(gpu,))
+                                             engine_args=ENGINE_ARGS, devices=(gpu,))
             children.append(e.child)
         wait_healthy(children, STARTUP_S)
         ps, ds = [engines["p0"], engines["p1"]], [engines["d0"], engines["d1"]]

@@ -60,15 +60,26 @@ def push_timeline(p_log: str, d_log: str) -> dict[str, float]:
             "kv_in_after_register_ms": med(r"KV in, ([\d.]+) ms after registering", d_log)}
 
 
-def main() -> int:
+def serving_args(input_len: str, qps: str, num_requests: int, budget_s: float
+                 ) -> argparse.ArgumentParser:
+    """The options every serving driver shares (what `bench` needs)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--input-len", default="4096,16384")
+    ap.add_argument("--input-len", default=input_len)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--qps", default="2,8")
-    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--qps", default=qps)
+    ap.add_argument("--num-requests", type=int, default=num_requests)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--budget-s", type=float, default=budget_s)
+    return ap
+
+
+ENGINE_ARGS = ("--max-model-len", "20000", "--no-enable-prefix-caching",
+               "--gpu-memory-utilization", "0.85")
+
+
+def main() -> int:
+    ap = serving_args("4096,16384", "2,8", 16, 240)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--only-vllm", action="store_true")
     ap.add_argument("--vllm-modes", default="pull,push", help="vLLM connectors to run")
@@ -76,8 +87,7 @@ def main() -> int:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
-    engine_args = ("--max-model-len", "20000", "--no-enable-prefix-caching",
-                   "--gpu-memory-utilization", "0.85") + (("--enforce-eager",) if args.eager else ())
+    engine_args = ENGINE_ARGS + (("--enforce-eager",) if args.eager else ())
     if not args.only_vllm:
         run_kvferry(args, model, tmp, engine_args)
     for mode in [] if args.skip_vllm else args.vllm_modes.split(","):

@@ -53,22 +53,32 @@ def stream_turn(router: str, model: str, toks: list[int], out_len: int, cid: str
     if cid:
         body["conversation_id"] = cid
     t0 = time.perf_counter()
-    ttft, out, reused, p_ms = None, [], 0, None
+    timing: dict = {}
+    reused, p_ms = 0, None
     with httpx.stream("POST", router + "/v1/completions", json=body, timeout=300,
                       headers={"x-kvferry-mode": mode}) as r:
         r.raise_for_status()
         reused = int(r.headers.get("x-kvferry-reused-tokens", "0"))
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
+        for ev in sse_events(r, t0, timing):
             reused = int(ev.get("kvferry_reused_tokens", reused))
             p_ms = ev.get("kvferry_prefill_ms", p_ms)
-            for ch in ev.get("choices", []):
-                if ttft is None and (ch.get("text") or ch.get("token_ids")):
-                    ttft = (time.perf_counter() - t0) * 1e3
-                out += ch.get("token_ids") or []
-    return ttft or float("nan"), out, reused, p_ms
+    return timing["ttft"], timing["out"], reused, p_ms
+
+
+def sse_events(r: httpx.Response, t0: float, timing: dict):
+    """Yield a completion stream's events; fills timing["ttft"] (ms after t0, at the first
+    token) and timing["out"] (the token ids)."""
+    timing.setdefault("ttft", float("nan"))
+    out = timing.setdefault("out", [])
+    for line in r.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        for ch in ev.get("choices", []):
+            if not out and (ch.get("text") or ch.get("token_ids")):
+                timing["ttft"] = (time.perf_counter() - t0) * 1e3
+            out += ch.get("token_ids") or []
+        yield ev
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -129,18 +139,13 @@ def vllm_turn(p_url: str, d_url: str, model: str, reuse: bool):
             j = d.json()
             state["d_params"] = j.get("kv_transfer_params") if reuse else None
             return (time.perf_counter() - t0) * 1e3, list(j["choices"][0]["token_ids"]), 0, p_ms
-        ttft, out = None, []
+        timing: dict = {}
         with httpx.stream("POST", d_url + "/v1/completions", timeout=300,
                           json={**body, "stream": True}) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                for ch in json.loads(line[6:]).get("choices", []):
-                    if ttft is None and (ch.get("text") or ch.get("token_ids")):
-                        ttft = (time.perf_counter() - t0) * 1e3
-                    out += ch.get("token_ids") or []
-        return ttft or float("nan"), out, reused, p_ms
+            for _ in sse_events(r, t0, timing):
+                pass
+        return timing["ttft"], timing["out"], reused, p_ms
     return turn
 
 
