@@ -20,6 +20,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -144,6 +145,20 @@ def check_hwloc(path: str | None = None) -> Finding:
     return _ok("hwloc", f"{path} API {ver[0]}.{ver[1]}")
 
 
+def unresolved(ldd_output: str) -> list[str]:
+    """What ``ldd`` could not resolve: missing libraries, and symbol versions a present
+    library lacks (a libfabric older than the one NIXL was built against is found by the
+    loader but lacks e.g. FABRIC_1.10, and the plugin then fails to load)."""
+    out = set()
+    for ln in ldd_output.splitlines():
+        if m := re.search(r"version `([^']+)' not found", ln):
+            lib = ln.split(":")[1].strip() if ln.count(":") >= 2 else ""
+            out.add(f"{m.group(1)} (not in {os.path.basename(lib) or 'a loaded library'})")
+        elif "not found" in ln:
+            out.add(ln.split()[0])
+    return sorted(out)
+
+
 def check_nixl_plugin() -> Finding:
     """Is NIXL's LIBFABRIC plugin installed and are its system dependencies resolvable?"""
     spec = importlib.util.find_spec("nixl")
@@ -159,13 +174,14 @@ def check_nixl_plugin() -> Finding:
                        "install a nixl build with the LIBFABRIC plugin (>= 0.10)", blocking=True)
     ldd = shutil.which("ldd")
     if ldd:
-        out = subprocess.run([ldd, plugins[-1]], capture_output=True, text=True, timeout=20).stdout
-        missing = sorted({ln.split()[0] for ln in out.splitlines() if "not found" in ln})
+        r = subprocess.run([ldd, plugins[-1]], capture_output=True, text=True, timeout=20)
+        missing = unresolved(r.stdout + r.stderr)
         if missing:
             return Finding("nixl-libfabric", MISSING, f"{plugins[-1]} cannot resolve "
                            + ", ".join(missing),
-                           "install those libraries (Neuron hosts: EFA installer for libfabric, "
-                           "the Neuron libcuda stub for libcuda/libcudart)", blocking=True)
+                           "install those libraries (Neuron hosts: EFA installer for a libfabric "
+                           "as new as the one NIXL was built against; the Neuron libcuda stub "
+                           "for libcuda/libcudart)", blocking=True)
     return _ok("nixl-libfabric", plugins[-1])
 
 

@@ -349,3 +349,15 @@ def test_real_host_report_runs(nrt: libnrt.Libnrt) -> None:
     names = [f.check for f in findings]
     assert names[:2] == ["libnrt", "init-order"] and "libfabric" in names and "efa-shm" in names
     assert all(f.status in (envcheck.OK, envcheck.MISSING, envcheck.WARN) for f in findings)
+
+
+def test_unresolved_names_missing_libraries_and_symbol_versions() -> None:
+    """Measured here: NIXL 1.5.1's plugin with libfabric 2.1.0 (Debian's newest, built from
+    source) loads the library but lacks the FABRIC_1.10 fi_getinfo ABI; the check says so."""
+    ldd = ("/x/libplugin_LIBFABRIC.so: /opt/lf/lib/libfabric.so.1: version `FABRIC_1.10' not "
+           "found (required by /x/libplugin_LIBFABRIC.so)\n"
+           "\tlinux-vdso.so.1 (0x00007ffd)\n"
+           "\tlibfabric.so.1 => /opt/lf/lib/libfabric.so.1 (0x00007f)\n"
+           "\tlibcuda.so.1 => not found\n")
+    assert envcheck.unresolved(ldd) == ["FABRIC_1.10 (not in libfabric.so.1)", "libcuda.so.1"]
+    assert envcheck.unresolved("\tlibc.so.6 => /lib/libc.so.6 (0x1)\n") == []
