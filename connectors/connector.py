@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvferry.connectors import compat
+from kvferry.connectors import compat, timeline
 from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory import get_backend
@@ -119,6 +119,8 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._sched.saves is not None:  # host staging may be active: what P must stage
             self._sched.plan_saves(compat.step_progress(scheduler_output),
                                    compat.grown_blocks(scheduler_output))
+        if timeline.ENABLED and self._sched.landed:
+            self._sched.note_scheduled(compat.step_progress(scheduler_output))
         meta = self._sched.take_meta()
         meta.idle = compat.scheduled_tokens(scheduler_output) == 0
         return KvferryMeta(meta)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvferry.connectors import messages
+from kvferry.connectors import messages, timeline
 from kvferry.connectors.params import struct_sig, struct_sig_ok
 from kvferry.connectors.push_match import (
     Destination,
@@ -141,6 +141,7 @@ class PushEndpoint:
             self.w.drop_peer(task.host, task.port)
             self._apply(self.receiver.rejected(task.transfer_id, f"registration failed: {e}", now))
             return
+        timeline.mark(log, task.transfer_id, "registered")
         log.debug("push %s: registered %d blocks with %s:%d", task.transfer_id,
                   len(task.block_ids), task.host, task.port)
 
@@ -156,6 +157,7 @@ class PushEndpoint:
             if isinstance(a, RecvReady):
                 ok = True
                 if d is not None:
+                    timeline.mark(log, a.transfer_id, "kv_in")
                     d.ready = True
                     del self._d[a.transfer_id]
                     log.info("push %s: KV in, %.1f ms after registering", a.transfer_id,
@@ -219,6 +221,7 @@ class PushEndpoint:
             self._run(self.matcher.write_failed(a.transfer_id, str(e), now))
             return
         started = time.monotonic()
+        timeline.mark(log, a.transfer_id, "write_start")
         self._writes[a.transfer_id] = _Write(xfer, started + self.w.cfg.recv_timeout_s, started,
                                              p.ended_at)
 
@@ -258,6 +261,7 @@ class PushEndpoint:
                 continue
             del self._writes[tid]
             if state == "DONE":
+                timeline.mark(log, tid, "write_done")
                 after = (time.time() - wr.ended_at) * 1e3 if wr.ended_at else float("nan")
                 log.info("kvferry WRITE %s: %d B in %d descriptors, %.1f ms; done %.1f ms after "
                          "the prefill ended", tid, wr.xfer.nbytes, wr.xfer.ndesc,

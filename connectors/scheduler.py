@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.connectors import timeline
 from kvferry.connectors.params import (
     InvalidParams,
     LeaseOffer,
@@ -145,6 +146,7 @@ class TransferScheduler:
         self._meta = StepMeta()
         self._push: dict[str, _PushPending] = {}  # D: push requests before allocation
         self.push_waiting: dict[str, str] = {}  # D: req id -> transfer id awaiting P's WRITE
+        self.landed: dict[str, str] = {}  # D, timeline only: KV in, first step not yet planned
         self.waiting_send: set[str] = set()  # P: delayed-free requests not yet reported
         self.leases = leases  # D: LeaseKeeper (bidirectional reuse), or None
         self.reuse_settings = reuse or ReuseSettings()
@@ -301,6 +303,7 @@ class TransferScheduler:
         """P: keep a finished prefill's blocks for D and publish the signed offer.
         D: keep a finished turn's blocks under a lease when the router asked for one."""
         self._rejected.pop(req_id, None)
+        self.landed.pop(req_id, None)
         self._reuse.pop(req_id, None)
         self._reading.pop(req_id, None)
         if self.saves is not None:  # staged by the step that computed the prompt (or never)
@@ -332,8 +335,10 @@ class TransferScheduler:
                 if tid:
                     self._meta.push_abort_p.append((tid, req_id))
                 return False, None
+            ended = time.time()
+            timeline.mark(log, tid, "prefill_end", ended)
             self._meta.push_send.append(PushSend(req_id, tid, list(block_ids), len(prompt),
-                                                 prompt_hash(prompt), time.time()))
+                                                 prompt_hash(prompt), ended))
             self.waiting_send.add(req_id)
             return True, {"transfer_id": tid, "push": True, **reuse_out}
         if not ok or not block_ids:
@@ -355,13 +360,21 @@ class TransferScheduler:
         READs; ``invalid_blocks`` are blocks whose load failed)."""
         self.waiting_send -= sent
         for req_id in recvd:
-            self.push_waiting.pop(req_id, None)
+            if (tid := self.push_waiting.pop(req_id, None)) is not None and timeline.ENABLED:
+                timeline.mark(log, tid, "kv_seen")
+                self.landed[req_id] = tid
             reading = self._reading.pop(req_id, None)
             if reading is not None and req_id in self._reuse_out:
                 n, local = reading
                 ok = not (local & invalid_blocks)
                 self._reuse_out[req_id] = {"reused_tokens": n if ok else 0,
                                            "reuse_reason": "ok" if ok else "read_failed"}
+
+    def note_scheduled(self, req_ids: Iterable[str]) -> None:
+        """Timeline only: push requests whose first decode step was just scheduled."""
+        for req_id in req_ids:
+            if (tid := self.landed.pop(req_id, None)) is not None:
+                timeline.mark(log, tid, "scheduled")
 
     def plan_saves(self, progress: Mapping[str, tuple[int, int]],
                    grown: Mapping[str, tuple[Sequence[int], bool]] | None = None) -> None:

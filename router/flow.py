@@ -48,6 +48,8 @@ from typing import Any
 import httpx
 from starlette.responses import Response
 
+from kvferry.connectors import timeline
+
 from . import bodies
 from .conversations import Conversations, Turn
 from .errors import RouterError, from_status, from_transport
@@ -326,6 +328,7 @@ def _stream(
     """Wrap D's open SSE response; the D lease ends when the stream closes."""
 
     def first_chunk() -> None:
+        timeline.mark(log, resp_headers.get(HDR_TRANSFER, ""), "d_first_byte")
         ctx.metrics.ttft.labels(endpoint=endpoint, stream="true").observe(
             time.perf_counter() - started
         )
@@ -443,7 +446,9 @@ async def _run_push(
         if params is not None:
             leg.reused = _reuse_report(ctx, turn, params)
         leg.ms = secs * 1000.0
+        timeline.mark(log, transfer_id, "p_answered")
 
+    timeline.mark(log, transfer_id, "dispatched")
     leg.task = asyncio.create_task(prefill_leg())
     ctx.background.add(leg.task)
     leg.task.add_done_callback(ctx.background.discard)

@@ -10,7 +10,9 @@ lines go to --out. Engines run with CUDA graphs unless --eager.
 from __future__ import annotations
 
 import argparse
-import re
+import json
+import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -18,13 +20,31 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("KVFERRY_TIMELINE", "1")  # engines inherit it; read at import below
 
 from stack import pd_stack  # noqa: E402
 
+from kvferry.connectors import timeline  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
 
-def bench(targets: list[str], args, experiment: str) -> None:
+class _Lines(logging.Handler):
+    """The in-process router's timeline marks."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+ROUTER_MARKS = _Lines()
+logging.getLogger("kvferry.router.flow").addHandler(ROUTER_MARKS)
+logging.getLogger("kvferry.router.flow").setLevel(logging.INFO)
+
+
+def bench(targets: list[str], args, experiment: str, raw: Path | None = None) -> None:
     cmd = [sys.executable, "-m", "kvferry.scripts.cli", "bench", "--experiment", experiment,
            "--hardware", getattr(args, "hardware", "h200x2"), "--model-name", args.shape,
            "--vocab", str(SHAPES[args.shape].vocab_size),
@@ -32,32 +52,50 @@ def bench(targets: list[str], args, experiment: str) -> None:
            "--num-requests", str(args.num_requests), "--results-dir", str(Path(args.out).parent)]
     for t in targets:
         cmd += ["--target", t]
+    if raw is not None:
+        cmd += ["--raw", str(raw)]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=False, timeout=args.budget_s)
 
 
 def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> None:
     t0 = time.monotonic()
+    raw = tmp / "raw.jsonl"
     with pd_stack(model, tmp / "logs", backend="cuda", engine_args=engine_args) as s:
         print(f"kvferry stack up in {time.monotonic() - t0:.0f}s", flush=True)
         bench([f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
                f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
-               f"colocated={s.prefill.url},impl=colocated,mode=colocated"], args, "push_vs_pull")
+               f"colocated={s.prefill.url},impl=colocated,mode=colocated"], args, "push_vs_pull",
+              raw)
         for e in (s.prefill, s.decode):
             lines = [ln for ln in e.log().splitlines() if "kvferry WRITE" in ln or "kvferry READ" in ln]
             print(e.role, len(lines), "transfers; last:", lines[-2:], flush=True)
-        print("push timeline:", push_timeline(s.prefill.log(), s.decode.log()), flush=True)
+        report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines])
+    out = Path(args.out).with_suffix(".timeline.jsonl")
+    with out.open("a") as f:
+        for line in report:
+            print("push timeline:", line, flush=True)
+            f.write(json.dumps({"shape": args.shape, **line}) + "\n")
 
 
-def push_timeline(p_log: str, d_log: str) -> dict[str, float]:
-    """Medians from the connectors' logs: WRITE duration, WRITE done after the prefill
-    ended (P), KV in after D registered (D); the rest of the handoff is engine steps."""
-    def med(pattern: str, text: str) -> float:
-        vals = sorted(float(m) for m in re.findall(pattern, text))
-        return vals[len(vals) // 2] if vals else float("nan")
-    return {"write_ms": med(r"descriptors, ([\d.]+) ms; done", p_log),
-            "write_done_after_prefill_ms": med(r"done ([\d.]+) ms after the prefill", p_log),
-            "kv_in_after_register_ms": med(r"KV in, ([\d.]+) ms after registering", d_log)}
+def push_timeline(raw: Path, texts: list[str]) -> list[dict]:
+    """Median gaps between a push request's events (connectors/timeline.py), per bench
+    point: which part of the handoff is the WRITE, a notification, an engine step."""
+    marks = timeline.parse(ln for text in texts for ln in text.splitlines())
+    groups: dict[tuple, dict[str, dict[str, float]]] = {}
+    for ln in raw.read_text().splitlines() if raw.exists() else []:
+        r = json.loads(ln)
+        tid = (r.get("headers") or {}).get("x-kvferry-transfer-id")
+        if tid in marks and "dispatched" in marks[tid]:
+            groups.setdefault((r["target"], r["input_len"], r["qps"]), {})[tid] = marks[tid]
+            marks[tid]["client_handoff_ms"] = r.get("handoff_ms") or float("nan")
+    out = []
+    for (target, input_len, qps), g in sorted(groups.items()):
+        hand = sorted(m.pop("client_handoff_ms") for m in g.values())
+        out.append({"target": target, "input_len": input_len, "qps": qps,
+                    "client_handoff_ms_p50": round(hand[len(hand) // 2], 2),
+                    **timeline.summarize(g)})
+    return out
 
 
 def serving_args(input_len: str, qps: str, num_requests: int, budget_s: float
