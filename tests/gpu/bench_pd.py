@@ -61,7 +61,7 @@ def bench(targets: list[str], args, experiment: str, raw: Path | None = None) ->
 def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> None:
     t0 = time.monotonic()
     raw = tmp / "raw.jsonl"
-    with pd_stack(model, tmp / "logs", backend="cuda", engine_args=engine_args) as s:
+    with pd_stack(model, tmp / "logs", backend=args.backend, engine_args=engine_args) as s:
         print(f"kvferry stack up in {time.monotonic() - t0:.0f}s", flush=True)
         bench([f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
                f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
@@ -122,10 +122,13 @@ def main() -> int:
     ap.add_argument("--only-vllm", action="store_true")
     ap.add_argument("--vllm-modes", default="pull,push", help="vLLM connectors to run")
     ap.add_argument("--eager", action="store_true", help="engines without CUDA graphs")
+    ap.add_argument("--backend", default="cuda", help="cpu: a local smoke run of this driver")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
     engine_args = ENGINE_ARGS + (("--enforce-eager",) if args.eager else ())
+    if args.backend == "cpu":
+        engine_args = ("--max-model-len", "4096", "--no-enable-prefix-caching")
     if not args.only_vllm:
         run_kvferry(args, model, tmp, engine_args)
     for mode in [] if args.skip_vllm else args.vllm_modes.split(","):
