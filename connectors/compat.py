@@ -47,6 +47,12 @@ def num_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(n if n else vllm_config.cache_config.num_gpu_blocks)
 
 
+def max_tokens(request: Any) -> int | None:
+    """The request's max_tokens (None when unknown)."""
+    sp = getattr(request, "sampling_params", None)
+    return getattr(sp, "max_tokens", None) if sp is not None else getattr(request, "max_tokens", None)
+
+
 def all_tokens(request: Any) -> list[int]:
     """Prompt + generated token ids of a request (both versions expose all_token_ids)."""
     toks = getattr(request, "all_token_ids", None)
@@ -71,6 +77,11 @@ def step_progress(scheduler_output: Any) -> dict[str, tuple[int, int]]:
     computed.update(zip(cached.req_ids, map(int, cached.num_computed_tokens), strict=False))
     return {req_id: (computed.get(req_id, 0), int(n))
             for req_id, n in scheduler_output.num_scheduled_tokens.items()}
+
+
+def preempted(scheduler_output: Any) -> set[str]:
+    """Requests preempted while this step was scheduled (vLLM has freed their blocks)."""
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
 def grown_blocks(scheduler_output: Any) -> dict[str, tuple[list[int], bool]]:

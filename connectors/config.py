@@ -47,6 +47,10 @@ class ConnectorConfig(BaseModel):
     push_register_timeout_s: float = Field(120.0, gt=0)
     push_recv_timeout_s: float = Field(180.0, gt=0)
     push_quarantine_s: float = Field(10.0, ge=0)
+    # Push, P: start the WRITE when the forward that computes a prompt's last tokens has
+    # finished on the device (a fence recorded in wait_for_save), not a step later when
+    # the scheduler has processed its output. Backends without a fence (neuron) ignore it.
+    early_push: bool = True
     # Ask vLLM for one KV tensor whose blocks hold all layers (where the attention backend
     # allows it): a run of blocks is then one descriptor, not one per layer. Both peers
     # must agree (the layout check refuses a mix and D recomputes).

@@ -42,6 +42,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._bad_blocks: set[int] = set()
         self._delivered = False  # the last get_finished returned something
         self._control = None
+        self._backend: Any = None  # worker side, once the KV caches are registered
+        self._step = 0  # worker side: engine steps begun (early push waits for the next)
         # Boot id: tells a restarted engine (same engine id, different blocks) apart.
         self.instance = str(getattr(vllm_config, "instance_id", "") or id(self))
         if role == KVConnectorRole.SCHEDULER:
@@ -61,7 +63,8 @@ class KvferryConnector(KVConnectorBase_V1):
                                     cfg.reuse_read_timeout_s),
                 # P frees unread blocks send_timeout_s after the prefill; offers end earlier.
                 offer_ttl=max(cfg.send_timeout_s - OFFER_GUARD_S, cfg.send_timeout_s / 2),
-                stage_saves=host_staging)
+                stage_saves=host_staging,
+                early_push=cfg.early_push and get_backend(cfg.hardware_backend).supports_fence)
 
     def _host_staging_possible(self) -> bool:
         """May this engine's workers move KV through host mirrors (neuron/staging.py)?
@@ -101,6 +104,9 @@ class KvferryConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        if self._sched.early_push:
+            self._sched.track_push_prefill(request.request_id, request.prompt_token_ids or [],
+                                           request.kv_transfer_params, compat.max_tokens(request))
         return self._sched.matched_tokens(request.request_id, request.prompt_token_ids or [],
                                           request.kv_transfer_params, num_computed_tokens)
 
@@ -119,6 +125,10 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._sched.saves is not None:  # host staging may be active: what P must stage
             self._sched.plan_saves(compat.step_progress(scheduler_output),
                                    compat.grown_blocks(scheduler_output))
+        if self._sched.tracks_push():  # early push: prefills completing in this step
+            self._sched.plan_push(compat.step_progress(scheduler_output),
+                                  compat.grown_blocks(scheduler_output),
+                                  compat.preempted(scheduler_output))
         if timeline.ENABLED and self._sched.landed:
             self._sched.note_scheduled(compat.step_progress(scheduler_output))
         meta = self._sched.take_meta()
@@ -154,7 +164,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
         rank = compat.tp_rank()
         n = compat.num_blocks(self._vllm_config, self._kv_cache_config)
-        backend = get_backend(self.cfg.hardware_backend)
+        backend = self._backend = get_backend(self.cfg.hardware_backend)
         if hasattr(backend, "configure"):  # neuron: staging mode from the extra config
             backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
         if self.cfg.hardware_backend == "neuron":
@@ -182,7 +192,8 @@ class KvferryConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KvferryMeta) and self._worker is not None:
-            self._worker.submit(meta.step)
+            self._step += 1
+            self._worker.submit(meta.step, self._step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -191,12 +202,18 @@ class KvferryConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
-        """Host staging, P: copy the blocks this step's forward wrote to the host mirror
+        """After the forward. Host staging, P: copy the blocks it wrote to the host mirror
         now, synchronously, so they are there before request_finished publishes the offer
-        D READs one-sidedly. Nothing to do without staging."""
+        D READs one-sidedly. Early push, P: hand the prompts it completed to the transfer
+        thread with a fence, so their WRITE starts when the device is done."""
         meta = self._connector_metadata
-        if isinstance(meta, KvferryMeta) and self._worker is not None and meta.step.save:
+        if not isinstance(meta, KvferryMeta) or self._worker is None:
+            return
+        if meta.step.save:
             self._worker.save(meta.step.save)
+        if meta.step.push_ready and self._backend.supports_fence:
+            # Early push: these prompts' KV is complete once this forward is.
+            self._worker.forward_done(meta.step.push_ready, self._backend.fence(), self._step)
 
     def get_finished(self, finished_req_ids: set[str]):
         if self._worker is None:

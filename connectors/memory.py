@@ -137,6 +137,14 @@ class MemoryBackend(ABC):
     def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int) -> KVLayout:
         """Regions and planes of this rank's KV caches (layer order = dict order)."""
 
+    supports_fence: bool = False
+
+    def fence(self) -> Any:
+        """Called right after the engine enqueued a forward: an object whose ``query()``
+        turns True once that forward's KV writes are complete, or None when they already
+        are (a synchronous device). Only backends with ``supports_fence``."""
+        raise NotImplementedError(f"{self.name}: no forward fence")
+
 
 class TorchMemoryBackend(MemoryBackend):
     """KV caches that are torch tensors whose data_ptr() is the real address (CPU, CUDA)."""
@@ -181,12 +189,24 @@ class CpuBackend(TorchMemoryBackend):
     name = "cpu"
     mem_type = DRAM
     default_nixl_backends = ("UCX",)
+    supports_fence = True
+
+    def fence(self) -> None:
+        return None  # the CPU forward has returned: its KV is written
 
 
 class CudaBackend(TorchMemoryBackend):
     name = "cuda"
     mem_type = VRAM
     default_nixl_backends = ("UCX",)
+    supports_fence = True
+
+    def fence(self) -> Any:
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record()  # on the current stream, behind the forward's kernels
+        return ev
 
 
 def _neuron_backend() -> MemoryBackend:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvferry.connectors import messages, timeline
 from kvferry.connectors.params import struct_sig, struct_sig_ok
@@ -29,7 +29,7 @@ from kvferry.connectors.push_match import (
     ReleaseDest,
     StartWrite,
 )
-from kvferry.connectors.scheduler import RegisterTask, StepMeta
+from kvferry.connectors.scheduler import PushSend, RegisterTask, StepMeta
 from kvferry.connectors.transport import Transfer
 
 if TYPE_CHECKING:
@@ -61,6 +61,18 @@ class _PReq:
 
 
 @dataclass
+class Ready:
+    """Early push: prompts completed by engine step ``step``, once ``fence`` passes."""
+
+    items: list[PushSend]
+    fence: Any  # .query() -> bool, or None (already complete)
+    step: int
+
+    def done(self, steps_begun: int) -> bool:
+        return steps_begun > self.step and (self.fence is None or bool(self.fence.query()))
+
+
+@dataclass
 class _Write:
     xfer: Transfer
     deadline: float
@@ -82,10 +94,34 @@ class PushEndpoint:
         self._p: dict[str, _PReq] = {}
         self._writes: dict[str, _Write] = {}
         self._last_tick = 0.0
+        # Early push: prompts waiting for their forward's fence (P's request id -> item,
+        # batch); owners whose prefill was handed to the matcher before P's scheduler
+        # finished the request; and which of those the matcher already freed (reported
+        # only once the scheduler finished them: vLLM frees blocks of finished requests).
+        self._ready: dict[str, tuple[PushSend, Ready]] = {}
+        self._unfinished: set[str] = set()
+        self._deferred: set[str] = set()
 
     def busy(self) -> bool:
-        """A WRITE in flight."""
-        return bool(self._writes)
+        """A WRITE in flight, or a forward whose prompts may be written once it is done."""
+        return bool(self._writes or self._ready)
+
+    def ready(self, r: Ready) -> None:
+        for s in r.items:
+            self._ready[s.req_id] = (s, r)
+
+    def _release_ready(self, now: float) -> None:
+        """Early push: hand the matcher every prompt whose forward is complete."""
+        steps = self.w.steps
+        if not any(r.done(steps) for _, r in self._ready.values()):
+            return
+        self.w.drain_inbox()  # the next step's meta may say a request was preempted
+        for req_id, (s, r) in list(self._ready.items()):
+            if r.done(steps):
+                del self._ready[req_id]
+                timeline.mark(log, s.transfer_id, "forward_done")
+                self._unfinished.add(req_id)
+                self._prefill_done(s, now)
 
     def awaiting(self) -> bool:
         """A registration (P) or a Wrote notification (D) is expected."""
@@ -95,15 +131,19 @@ class PushEndpoint:
     def accept(self, meta: StepMeta, now: float) -> None:
         for task in meta.register:
             self._register(task, now)
+        for tid, req_id in meta.push_preempted:
+            # vLLM freed the blocks (the gate in _release_ready kept any WRITE off them):
+            # nothing to report freed; D is rejected and recomputes.
+            self._ready.pop(req_id, None)
+            self._run(self.matcher.abort(tid, now, owner=req_id))
         for s in meta.push_send:
-            p = self._p.setdefault(s.transfer_id, _PReq())
-            if not p.req_id:  # else another request holds this id: the matcher refuses us
-                p.req_id, p.prompt_hash, p.ended_at = s.req_id, s.prompt_hash, s.ended_at
-                if p.reg is not None and p.reg.prompt_hash != s.prompt_hash:
-                    self._run(self.matcher.abort(s.transfer_id, now))  # D registered another prompt
-            self._run(self.matcher.prefill_done(s.transfer_id, s.transfer_id, s.block_ids,
-                                                s.num_tokens, now, owner=s.req_id))
+            self._ready.pop(s.req_id, None)  # not yet released: the normal path now
+            self._finished(s.req_id)
+            self._prefill_done(s, now)  # a duplicate of an early push changes nothing
         for tid, req_id in meta.push_abort_p:
+            if self._ready.pop(req_id, None) is not None:
+                self.w.report(sent={req_id})  # held for a WRITE that never started
+            self._finished(req_id)
             self._run(self.matcher.abort(tid, now, owner=req_id))
         for tid in meta.push_abort_d:
             d = self._d.get(tid)
@@ -112,6 +152,22 @@ class PushEndpoint:
                 self._tell_p(d, messages.Abort(tid))
             # else: never registered (nothing allocated or still unknown to P): P's hold
             # timeout frees its blocks; nothing to wait for here.
+
+    def _prefill_done(self, s: PushSend, now: float) -> None:
+        p = self._p.setdefault(s.transfer_id, _PReq())
+        if not p.req_id:  # else another request holds this id: the matcher refuses us
+            p.req_id, p.prompt_hash, p.ended_at = s.req_id, s.prompt_hash, s.ended_at
+            if p.reg is not None and p.reg.prompt_hash != s.prompt_hash:
+                self._run(self.matcher.abort(s.transfer_id, now))  # D registered another prompt
+        self._run(self.matcher.prefill_done(s.transfer_id, s.transfer_id, s.block_ids,
+                                            s.num_tokens, now, owner=s.req_id))
+
+    def _finished(self, owner: str) -> None:
+        """P's scheduler finished ``owner``: a free the matcher already decided is due."""
+        self._unfinished.discard(owner)
+        if owner in self._deferred:
+            self._deferred.discard(owner)
+            self.w.report(sent={owner})
 
     # -- D --------------------------------------------------------------------------------
     def _register(self, task: RegisterTask, now: float) -> None:
@@ -181,7 +237,9 @@ class PushEndpoint:
             if isinstance(a, StartWrite):
                 self._start_write(a, p, now)
             elif isinstance(a, FreeBlocks):
-                if a.owner:
+                if a.owner in self._unfinished:
+                    self._deferred.add(a.owner)  # reported when the scheduler finishes it
+                elif a.owner:
                     self.w.report(sent={a.owner})
                 if p is not None and p.req_id != a.owner:
                     log.warning("push %s: request %s refused (%s)", a.transfer_id, a.owner,
@@ -255,6 +313,8 @@ class PushEndpoint:
 
     # -- polling --------------------------------------------------------------------------
     def progress(self, now: float) -> None:
+        if self._ready:
+            self._release_ready(now)
         for tid, wr in list(self._writes.items()):
             state = self.w.transport.poll(wr.xfer)
             if state == "PROC" and now < wr.deadline:

@@ -101,6 +101,13 @@ class StepMeta:
     push_abort_p: list[tuple[str, str]] = field(default_factory=list)
     push_abort_d: list[str] = field(default_factory=list)  # push, D: transfer ids cancelled
     reuse: list[ReuseRead] = field(default_factory=list)  # bidirectional, P
+    # push, P (early push): prefills whose last prompt tokens this step computes; the
+    # worker starts their WRITE once the forward's fence passed and a later step began
+    # (whose meta would have named the request in push_preempted).
+    push_ready: list[PushSend] = field(default_factory=list)
+    # push, P: early-pushed requests vLLM preempted; it has freed their blocks already, so
+    # no WRITE may read them and none is reported freed.
+    push_preempted: list[tuple[str, str]] = field(default_factory=list)
     free: list[str] = field(default_factory=list)  # D: request ids whose lease ended
     # P, pull with host staging: blocks this step's forward writes, copied device -> host
     # mirror in wait_for_save so D's one-sided READ finds them (staged_saves.py).
@@ -110,7 +117,8 @@ class StepMeta:
     idle: bool = False
 
     def has_push(self) -> bool:
-        return bool(self.register or self.push_send or self.push_abort_p or self.push_abort_d)
+        return bool(self.register or self.push_send or self.push_abort_p or self.push_abort_d
+                    or self.push_ready or self.push_preempted)
 
 
 @dataclass
@@ -121,6 +129,16 @@ class _PushPending:
     local_hit_tokens: int
     num_tokens: int
     prompt_hash: str
+
+
+@dataclass
+class _PushPrefill:
+    """P, early push: a single-token push prefill being computed, and its blocks so far."""
+
+    transfer_id: str
+    num_tokens: int
+    prompt_hash: str
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -135,7 +153,7 @@ class TransferScheduler:
 
     def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int = 1,
                  leases: Any = None, reuse: ReuseSettings | None = None, clock: Any = time.time,
-                 stage_saves: bool = False, offer_ttl: float = 0.0):
+                 stage_saves: bool = False, offer_ttl: float = 0.0, early_push: bool = False):
         self.engine_id = engine_id
         self.host = host
         self.port = port
@@ -157,6 +175,61 @@ class TransferScheduler:
         self._reuse_out: dict[str, dict[str, Any]] = {}  # P: what reuse did, per request
         # P: pull requests' blocks to stage out, when the workers may stage through host DRAM
         self.saves = SaveTracker(block_size) if stage_saves else None
+        # P, early push: prefills tracked until their last chunk is scheduled; then the
+        # transfer ids handed to the workers, until vLLM finishes (or preempts) the request
+        self.early_push = early_push
+        self._push_p: dict[str, _PushPrefill] = {}
+        self.pushed_early: dict[str, str] = {}
+        self._no_early: set[str] = set()  # preempted after an early push: the normal path
+
+    # -- P side: early push ------------------------------------------------------------
+    def track_push_prefill(self, req_id: str, prompt: Sequence[int],
+                           params: Mapping[str, Any] | None, max_tokens: int | None) -> None:
+        """Follow a push prefill whose forward may start its WRITE (early push).
+
+        Only single-token requests (the router's P leg): vLLM finishes them in the step
+        that computes the prompt, so their blocks stay put from that forward until the
+        request ends, except for a preemption while that step's output is pending, which
+        the next step's meta reports before any WRITE starts."""
+        if (not self.early_push or max_tokens != 1 or not params
+                or not params.get("do_remote_decode") or not params.get("push")
+                or req_id in self._push_p or req_id in self.pushed_early
+                or req_id in self._no_early):
+            return
+        tid = params.get("transfer_id")
+        if isinstance(tid, str) and tid:
+            self._push_p[req_id] = _PushPrefill(tid, len(prompt), prompt_hash(prompt))
+
+    def plan_push(self, progress: Mapping[str, tuple[int, int]],
+                  grown: Mapping[str, tuple[Sequence[int], bool]],
+                  preempted: set[str]) -> None:
+        """This step's scheduler output -> `StepMeta.push_ready` / `push_preempted`."""
+        for req_id in preempted:
+            if req_id in self._push_p or req_id in self.pushed_early:
+                self._no_early.add(req_id)  # resumed, it pushes when it finishes
+            self._push_p.pop(req_id, None)
+            if (tid := self.pushed_early.pop(req_id, None)) is not None:
+                self._meta.push_preempted.append((tid, req_id))
+        for req_id, (ids, replace) in grown.items():
+            if (pp := self._push_p.get(req_id)) is not None:
+                pp.blocks = list(ids) if replace else pp.blocks + list(ids)
+        now = time.time()
+        for req_id, (computed, n) in progress.items():
+            pp = self._push_p.get(req_id)
+            if pp is None or n <= 0 or computed + n < pp.num_tokens:
+                continue
+            del self._push_p[req_id]
+            if len(pp.blocks) < blocks_needed(pp.num_tokens, self.block_size):
+                log.warning("request %s: %d blocks known for %d tokens; pushing when it ends",
+                            req_id, len(pp.blocks), pp.num_tokens)
+                continue
+            self.pushed_early[req_id] = pp.transfer_id
+            timeline.mark(log, pp.transfer_id, "last_chunk_scheduled", now)
+            self._meta.push_ready.append(PushSend(req_id, pp.transfer_id, list(pp.blocks),
+                                                  pp.num_tokens, pp.prompt_hash, now))
+
+    def tracks_push(self) -> bool:
+        return bool(self._push_p or self.pushed_early)
 
     # -- P side: bidirectional reuse ----------------------------------------------------
     def _reuse_matched(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any],
@@ -258,6 +331,8 @@ class TransferScheduler:
 
         ``params`` (the request's kv_transfer_params) marks P-role pull requests, whose
         blocks host staging must copy to the mirror as the forward fills them."""
+        if (pp := self._push_p.get(req_id)) is not None:
+            pp.blocks = list(block_ids)
         if (self.saves is not None and params and params.get("do_remote_decode")
                 and not params.get("push")):  # push: P stages right before its WRITE
             self.saves.allocated(req_id, block_ids)
@@ -304,6 +379,9 @@ class TransferScheduler:
         D: keep a finished turn's blocks under a lease when the router asked for one."""
         self._rejected.pop(req_id, None)
         self.landed.pop(req_id, None)
+        self._push_p.pop(req_id, None)
+        self._no_early.discard(req_id)
+        early = self.pushed_early.pop(req_id, None) is not None
         self._reuse.pop(req_id, None)
         self._reading.pop(req_id, None)
         if self.saves is not None:  # staged by the step that computed the prompt (or never)
@@ -334,6 +412,9 @@ class TransferScheduler:
             if not ok or not block_ids or not tid:
                 if tid:
                     self._meta.push_abort_p.append((tid, req_id))
+                if early and tid:  # a WRITE may be reading the blocks: the worker frees
+                    self.waiting_send.add(req_id)
+                    return True, None
                 return False, None
             ended = time.time()
             timeline.mark(log, tid, "prefill_end", ended)

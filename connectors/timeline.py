@@ -22,6 +22,8 @@ ENABLED = os.environ.get("KVFERRY_TIMELINE") == "1"
 PUSH_EVENTS = (
     "dispatched",     # router: both legs sent
     "registered",     # D transfer thread: Register notification sent to P
+    "last_chunk_scheduled",  # P scheduler (early push): the prompt's last chunk planned
+    "forward_done",   # P transfer thread (early push): that forward's fence passed
     "prefill_end",    # P scheduler: the prefill's last step was processed
     "write_start",    # P transfer thread: WRITE posted
     "p_answered",     # router: P's HTTP answer arrived
@@ -55,8 +57,9 @@ def summarize(marks: dict[str, dict[str, float]], events: Sequence[str] = PUSH_E
     """Median milliseconds from each event to the next one present, over the transfers
     that have both, plus ``p_answered->d_first_byte`` (the router-side handoff)."""
     out: dict[str, float] = {}
-    pairs = list(zip(events, events[1:], strict=False)) + [("p_answered", "d_first_byte"),
-                                                           ("prefill_end", "kv_in")]
+    pairs = list(zip(events, events[1:], strict=False)) + [
+        ("p_answered", "d_first_byte"), ("prefill_end", "kv_in"), ("forward_done", "write_start"),
+        ("forward_done", "kv_in")]
     for a, b in pairs:
         gaps = [(m[b] - m[a]) * 1e3 for m in marks.values() if a in m and b in m]
         if gaps:

@@ -32,8 +32,8 @@ from kvferry.connectors import messages
 from kvferry.connectors.config import BUSY_POLL_S, IDLE_POLL_S, ConnectorConfig
 from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
 from kvferry.connectors.memory import KVLayout
-from kvferry.connectors.push_worker import PushEndpoint
-from kvferry.connectors.scheduler import RecvTask, ReuseRead, StepMeta
+from kvferry.connectors.push_worker import PushEndpoint, Ready
+from kvferry.connectors.scheduler import PushSend, RecvTask, ReuseRead, StepMeta
 from kvferry.connectors.transport import Peer, Transfer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -82,7 +82,8 @@ class TransferWorker:
             "engine_id": engine_id, "rank": rank, "instance": instance,
             "metadata": self.transport.metadata(), "layout": layout.to_wire(),
         })
-        self._inbox: queue.Queue[StepMeta] = queue.Queue()
+        self._inbox: queue.Queue[StepMeta | Ready] = queue.Queue()
+        self.steps = 0  # engine steps begun (set by the engine thread)
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)  # signalled by report()
         self._out = _Results()
@@ -101,9 +102,18 @@ class TransferWorker:
                  "; KV staged through host DRAM" if staging is not None else "")
 
     # -- engine thread -----------------------------------------------------------------
-    def submit(self, meta: StepMeta) -> None:
+    def submit(self, meta: StepMeta, step: int = 0) -> None:
+        """A step's metadata, at the step's start. ``step`` counts the engine's steps: an
+        early push waits until the step after its forward has begun (the meta is queued
+        first, so whatever that step says about the request is seen before the WRITE)."""
         if meta.recv or meta.send or meta.reuse or meta.free or meta.has_push():
             self._inbox.put(meta)
+        self.steps = max(self.steps, step)
+
+    def forward_done(self, items: Sequence[PushSend], fence: Any, step: int) -> None:
+        """Early push, after step ``step``'s forward was enqueued: these prompts are
+        complete once ``fence`` passes (None: already)."""
+        self._inbox.put(Ready(list(items), fence, step))
 
     def save(self, block_ids: Sequence[int]) -> None:
         """Engine thread, after the forward: copy these blocks device -> host mirror.
@@ -152,10 +162,25 @@ class TransferWorker:
         while not self._stop.is_set():
             try:
                 with contextlib.suppress(queue.Empty):
-                    self._accept(self._inbox.get(timeout=self._poll_s()))
+                    self._take(self._inbox.get(timeout=self._poll_s()))
                 self._progress()
             except Exception:  # never let the thread die: requests would hang
                 log.exception("kvferry transfer thread")
+
+    def _take(self, item: StepMeta | Ready) -> None:
+        if isinstance(item, Ready):
+            self.push.ready(item)
+        else:
+            self._accept(item)
+
+    def drain_inbox(self) -> None:
+        """Transfer thread: act on everything queued so far."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._take(item)
 
     def _poll_s(self) -> float:
         """How long the thread may sleep before it next polls transfers and notifications."""
