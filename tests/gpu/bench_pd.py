@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("KVFERRY_TIMELINE", "1")  # engines inherit it; read at import below
 
@@ -61,21 +63,69 @@ def bench(targets: list[str], args, experiment: str, raw: Path | None = None) ->
 def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> None:
     t0 = time.monotonic()
     raw = tmp / "raw.jsonl"
+    engine_means: list[dict] = []
     with pd_stack(model, tmp / "logs", backend=args.backend, engine_args=engine_args) as s:
         print(f"kvferry stack up in {time.monotonic() - t0:.0f}s", flush=True)
-        bench([f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
-               f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
-               f"colocated={s.prefill.url},impl=colocated,mode=colocated"], args, "push_vs_pull",
-              raw)
+        targets = [f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
+                   f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
+                   f"colocated={s.prefill.url},impl=colocated,mode=colocated"]
+        for qps in args.qps.split(","):
+            for target in targets:
+                before = {e.role: scrape(e.url) for e in (s.prefill, s.decode)}
+                bench([target], argparse.Namespace(**{**vars(args), "qps": qps}),
+                      "push_vs_pull", raw)
+                engine_means.append({"target": target.split("=", 1)[0], "qps": float(qps), **{
+                    f"{e.role}_{k}": v for e in (s.prefill, s.decode)
+                    for k, v in means(before[e.role], scrape(e.url)).items()}})
+                print("engine means:", engine_means[-1], flush=True)
         for e in (s.prefill, s.decode):
             lines = [ln for ln in e.log().splitlines() if "kvferry WRITE" in ln or "kvferry READ" in ln]
             print(e.role, len(lines), "transfers; last:", lines[-2:], flush=True)
         report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines])
     out = Path(args.out).with_suffix(".timeline.jsonl")
     with out.open("a") as f:
-        for line in report:
+        for line in report + engine_means:
             print("push timeline:", line, flush=True)
             f.write(json.dumps({"shape": args.shape, **line}) + "\n")
+
+
+HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft",  # API server: arrival -> first token
+              "vllm:request_queue_time_seconds": "queue",  # engine: queued -> scheduled
+              "vllm:request_prefill_time_seconds": "first_step",  # scheduled -> first token
+              "vllm:e2e_request_latency_seconds": "e2e"}
+
+
+def scrape(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of vLLM's request-latency histograms on one engine."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, tuple[float, float]] = {}
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for fam in text_string_to_metric_families(text):
+        if fam.name + "_seconds" in HISTOGRAMS or fam.name in HISTOGRAMS:
+            key = HISTOGRAMS.get(fam.name) or HISTOGRAMS[fam.name + "_seconds"]
+            tot = cnt = 0.0
+            for smp in fam.samples:
+                if smp.name.endswith("_sum"):
+                    tot += smp.value
+                elif smp.name.endswith("_count"):
+                    cnt += smp.value
+            out[key] = (tot, cnt)
+    return out
+
+
+def means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+          ) -> dict[str, float]:
+    """Mean ms per request between two scrapes (warm-up requests included)."""
+    out = {}
+    for key, (tot, cnt) in after.items():
+        t0, c0 = before.get(key, (0.0, 0.0))
+        if cnt > c0:
+            out[f"{key}_ms_mean"] = round((tot - t0) / (cnt - c0) * 1e3, 2)
+    return out
 
 
 def push_timeline(raw: Path, texts: list[str]) -> list[dict]:
