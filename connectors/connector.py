@@ -25,6 +25,18 @@ log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 OFFER_GUARD_S = 5.0  # a pull offer expires this long before P may free its blocks
 
 
+def idle_wait_s(idle: bool, prev_idle: bool, delivered: bool, wait_ms: float) -> float:
+    """How long get_finished may wait for a transfer result in this step.
+
+    Only a step that computes nothing after another such step waits (the engine would
+    otherwise spin while KV is in flight). Not right after a step that delivered results,
+    nor right after a forward: with async scheduling that step was planned before vLLM
+    saw the previous one's output, and waiting in it would hold back that output (P's
+    answer, a loaded request's first token) by up to ``wait_ms``.
+    """
+    return wait_ms / 1e3 if idle and prev_idle and not delivered else 0.0
+
+
 class KvferryMeta(KVConnectorMetadata):
     def __init__(self, step: StepMeta):
         self.step = step
@@ -41,6 +53,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._worker = None
         self._bad_blocks: set[int] = set()
         self._delivered = False  # the last get_finished returned something
+        self._prev_idle = False  # the last step computed nothing
         self._control = None
         self._backend: Any = None  # worker side, once the KV caches are registered
         self._step = 0  # worker side: engine steps begun (early push waits for the next)
@@ -219,11 +232,10 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         meta = self._connector_metadata
-        # Wait on an idle step, except right after a step that delivered results: with
-        # async scheduling the step after it was scheduled before vLLM saw them, and
-        # waiting there would delay the newly loaded request's first token.
-        idle = isinstance(meta, KvferryMeta) and meta.step.idle and not self._delivered
-        res = self._worker.results(self.cfg.idle_step_wait_ms / 1e3 if idle else 0.0)
+        idle = isinstance(meta, KvferryMeta) and meta.step.idle
+        res = self._worker.results(idle_wait_s(idle, self._prev_idle, self._delivered,
+                                               self.cfg.idle_step_wait_ms))
+        self._prev_idle = idle
         self._bad_blocks |= res.bad_blocks
         self._delivered = bool(res.sent or res.recvd)
         return (res.sent or None), (res.recvd or None)

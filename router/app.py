@@ -10,7 +10,6 @@ Push needs the prefill engines' side-channel addresses (RouterSettings.prefill_k
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -83,8 +82,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     async def handle(request: Request, endpoint: str, path: str) -> Response:
         ctx = holder["ctx"]
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = bodies.decode(await request.body())
+        except ValueError:
             return _bad_request("request body must be JSON")
         if not isinstance(body, dict):
             return _bad_request("request body must be a JSON object")

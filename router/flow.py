@@ -247,8 +247,8 @@ async def _prefill(
     with ctx.prefill.lease(p):
         try:
             resp = await ctx.client.post(
-                p.url + path, json=body, headers=headers, timeout=ctx.timeout("prefill")
-            )
+                p.url + path, content=bodies.encode(body), headers=_json(headers),
+                timeout=ctx.timeout("prefill"))
         except httpx.HTTPError as exc:
             raise from_transport(exc, "prefill", p.url) from exc
     secs = time.perf_counter() - t0
@@ -278,8 +278,8 @@ async def _decode(
     handed_off = False
     try:
         req = ctx.client.build_request(
-            "POST", d.url + path, json=body, headers=headers, timeout=ctx.timeout("decode")
-        )
+            "POST", d.url + path, content=bodies.encode(body), headers=_json(headers),
+            timeout=ctx.timeout("decode"))
         try:
             resp = await ctx.client.send(req, stream=True)
         except httpx.HTTPError as exc:
@@ -452,6 +452,8 @@ async def _run_push(
     leg.task = asyncio.create_task(prefill_leg())
     ctx.background.add(leg.task)
     leg.task.add_done_callback(ctx.background.discard)
+    # P's prefill is the critical path: let its request go out before D's is built.
+    await asyncio.sleep(0)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
     hooks = _commit_hooks(ctx, turn, d, DecodeHooks(
         json_fields=leg.json_fields, chunk_filter=InsertBeforeDone(leg.sse_event),
@@ -475,6 +477,10 @@ def _passthrough(resp: httpx.Response, headers: dict[str, str]) -> Response:
         media_type=resp.headers.get("content-type", "application/json"),
         headers=headers,
     )
+
+
+def _json(headers: dict[str, str]) -> dict[str, str]:
+    return {**headers, "content-type": "application/json"}
 
 
 def _ms_str(secs: float) -> str:

@@ -13,13 +13,25 @@ from kvferry.router.sse import InsertBeforeDone
 from kvferry.router.upstreams import UpstreamPool
 
 
-def test_sanitize_drops_router_fields_and_copies() -> None:
+def test_sanitize_drops_router_fields_and_copies_the_top_level() -> None:
     body = {"prompt": "x", "kv_transfer_params": {"a": 1}, "kvferry_mode": "pull",
             "conversation_id": "c", "extra": {"n": [1]}}
     clean = bodies.sanitize(body)
     assert clean == {"prompt": "x", "extra": {"n": [1]}}
-    clean["extra"]["n"].append(2)
-    assert body["extra"] == {"n": [1]}
+    clean["prompt"] = "y"
+    d = bodies.decode_body(clean, {"k": 1})
+    d["kv_transfer_params"]["k"] = 2
+    assert body["prompt"] == "x" and "kv_transfer_params" not in clean
+    # Nested values are shared on purpose (long prompts are never deep-copied).
+    assert d["extra"] is body["extra"]
+
+
+def test_encode_decode_json() -> None:
+    body = {"prompt": list(range(5)), "max_tokens": 3, "stream": True, "t": 0.5, "s": "é"}
+    assert bodies.decode(bodies.encode(body)) == body
+    for bad in (b"{", b"", b"\xff", b"{'a': 1}"):
+        with pytest.raises(ValueError):
+            bodies.decode(bad)
 
 
 def test_prefill_body_completions_vs_chat() -> None:

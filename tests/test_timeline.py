@@ -70,3 +70,4 @@ def test_decode_scheduler_marks_kv_seen_then_scheduled(monkeypatch: pytest.Monke
     got = timeline.parse(r.getMessage() for r in caplog.records)
     assert set(got["tx-r1"]) == {"kv_seen", "scheduled"}
     assert set(got["tx-r2"]) == {"kv_seen"}
+

@@ -325,3 +325,12 @@ def test_notification_poll_follows_the_backend() -> None:
     assert ConnectorConfig(hardware_backend="neuron").notif_poll_s == BUSY_POLL_S
     assert ConnectorConfig(hardware_backend="cpu").notif_poll_s == IDLE_POLL_S == 0.01
     assert ConnectorConfig(hardware_backend="cpu", notif_poll_ms=2).notif_poll_s == 0.002
+
+
+def test_idle_wait_only_between_two_idle_steps() -> None:
+    from kvferry.connectors.connector import idle_wait_s
+
+    assert idle_wait_s(True, True, False, 5.0) == pytest.approx(0.005)
+    assert idle_wait_s(True, False, False, 5.0) == 0.0  # right after a forward
+    assert idle_wait_s(True, True, True, 5.0) == 0.0  # right after delivering results
+    assert idle_wait_s(False, True, False, 5.0) == 0.0  # this step computes
