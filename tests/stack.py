@@ -131,15 +131,17 @@ def pd_stack(model: str, logs: Path, connector: str = "kvferry",
              extra: dict[str, Any] | None = None, backend: str = "cpu",
              engine_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
              router: dict[str, Any] | None = None, mode: str = "pull",
-             decode_args: tuple[str, ...] = ()) -> Iterator[Stack]:
+             decode_args: tuple[str, ...] = (),
+             devices: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None),
+             ) -> Iterator[Stack]:
     """P + D + router. `mode` picks vLLM's connector class for connector="vllm-nixl"
     (push: NixlPushConnector, which the router drives with P's engine id)."""
     secret = secrets.token_hex(16)
     with ExitStack() as stack:
         p = start_engine("prefill", model, logs, secret, connector, extra, None, backend,
-                         engine_args + prefill_args, mode)
+                         engine_args + prefill_args, mode, devices[0])
         d = start_engine("decode", model, logs, secret, connector, extra, None, backend,
-                         engine_args + decode_args, mode)
+                         engine_args + decode_args, mode, devices[1])
         children = [p.child, d.child]
         stack.callback(stop_all, children)
         wait_healthy(children, STARTUP_S)

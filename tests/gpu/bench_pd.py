@@ -64,7 +64,9 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> No
     t0 = time.monotonic()
     raw = tmp / "raw.jsonl"
     engine_means: list[dict] = []
-    with pd_stack(model, tmp / "logs", backend=args.backend, engine_args=engine_args) as s:
+    devices = ((0,), (0,)) if args.one_gpu else (None, None)
+    with pd_stack(model, tmp / "logs", backend=args.backend, engine_args=engine_args,
+                  devices=devices) as s:
         print(f"kvferry stack up in {time.monotonic() - t0:.0f}s", flush=True)
         targets = [f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
                    f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
@@ -173,10 +175,14 @@ def main() -> int:
     ap.add_argument("--vllm-modes", default="pull,push", help="vLLM connectors to run")
     ap.add_argument("--eager", action="store_true", help="engines without CUDA graphs")
     ap.add_argument("--backend", default="cuda", help="cpu: a local smoke run of this driver")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="P and D share GPU 0 (0.42 of its memory each): when one GPU is lent")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
     engine_args = ENGINE_ARGS + (("--enforce-eager",) if args.eager else ())
+    if args.one_gpu:
+        engine_args = tuple(a if a != "0.85" else "0.42" for a in engine_args)
     if args.backend == "cpu":
         engine_args = ("--max-model-len", "4096", "--no-enable-prefix-caching")
     if not args.only_vllm:
