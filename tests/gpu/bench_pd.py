@@ -176,13 +176,14 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="engines without CUDA graphs")
     ap.add_argument("--backend", default="cuda", help="cpu: a local smoke run of this driver")
     ap.add_argument("--one-gpu", action="store_true",
-                    help="P and D share GPU 0 (0.42 of its memory each): when one GPU is lent")
+                    help="P and D share GPU 0 (40 GiB of KV each): when one GPU is lent")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
     engine_args = ENGINE_ARGS + (("--enforce-eager",) if args.eager else ())
-    if args.one_gpu:
-        engine_args = tuple(a if a != "0.85" else "0.42" for a in engine_args)
+    if args.one_gpu:  # a fixed KV size: two engines profiling at once confuse vLLM's budget
+        engine_args = ("--max-model-len", "20000", "--no-enable-prefix-caching",
+                       "--kv-cache-memory-bytes", str(40 << 30))
     if args.backend == "cpu":
         engine_args = ("--max-model-len", "4096", "--no-enable-prefix-caching")
     if not args.only_vllm:
