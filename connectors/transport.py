@@ -105,9 +105,8 @@ class Transport:
     def add_peer(self, key: str, agent_metadata: bytes, layout: KVLayout) -> Peer:
         """Add (or refresh) a remote agent; refuses layouts we cannot copy block-for-block."""
         check_compatible(self.layout, layout)
-        old = self._peers.get(key)
-        if old is not None:
-            self._forget(old)
+        if key in self._peers:
+            self.drop_peer(key)
         name = self.agent.add_remote_agent(agent_metadata)
         if isinstance(name, bytes):
             name = name.decode()
@@ -118,9 +117,24 @@ class Transport:
     def peer(self, key: str) -> Peer | None:
         return self._peers.get(key)
 
+    def alias(self, key: str, existing: str) -> Peer:
+        """Reach the peer known as ``existing`` under ``key`` too, without loading its
+        metadata again: NIXL re-registering a remote agent invalidates every transfer in
+        flight to it (seen as NIXL_ERR_NOT_FOUND, "invalidated or re-registered")."""
+        peer = self._peers[existing]
+        old = self._peers.get(key)
+        if old is not None and old is not peer and all(
+                p is not old for k, p in self._peers.items() if k != key):
+            self._forget(old)
+        self._peers[key] = peer
+        return peer
+
     def drop_peer(self, key: str) -> None:
+        """Forget a peer under every key it is known by (it will be met afresh)."""
         peer = self._peers.pop(key, None)
         if peer is not None:
+            for k in [k for k, p in self._peers.items() if p is peer]:
+                del self._peers[k]
             self._forget(peer)
 
     def _forget(self, peer: Peer) -> None:

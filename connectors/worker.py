@@ -217,9 +217,17 @@ class TransferWorker:
         found = str(info.get("engine_id"))
         if engine_id and found != engine_id:
             raise HandshakeError(f"{host}:{port} is engine {found!r}, expected {engine_id!r}")
-        peer = self.transport.add_peer(key, info["metadata"], KVLayout.from_wire(info["layout"]))
-        self._addr_engine[key] = found
-        self._instances[key] = str(info.get("instance", ""))
+        # One NIXL remote agent per peer engine, whichever key found it first (push
+        # registrations know an address, pull offers and reuse an engine id): loading its
+        # metadata twice would invalidate the transfers in flight to it.
+        ekey, akey = f"{found}/{self.rank}", f"{host}:{port}/{self.rank}"
+        instance = str(info.get("instance", ""))
+        if self.transport.peer(ekey) is None or self._instances.get(ekey) != instance:
+            self.transport.add_peer(ekey, info["metadata"], KVLayout.from_wire(info["layout"]))
+        peer = self.transport.alias(akey, ekey)
+        for k in (ekey, akey):
+            self._addr_engine[k] = found
+            self._instances[k] = instance
         return found, peer
 
     def drop_peer(self, host: str, port: int, engine_id: str | None = None) -> None:

@@ -128,3 +128,27 @@ def test_p_abort_of_a_refused_duplicate_does_not_end_the_real_transfer(engines):
     assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
     assert written(d, p, D_BLOCKS, P_BLOCKS)
 
+
+
+def test_push_then_pull_from_one_p_loads_its_agent_once(engines, monkeypatch):
+    """D met P by address (push registration), then by engine id (a pull offer): one NIXL
+    remote agent, or the second load would invalidate transfers in flight to it (seen on
+    H200 as NIXL_ERR_NOT_FOUND and READs stuck for seconds)."""
+    p, d = engines("P", seed=17), engines("D")
+    loads: list[bytes] = []
+    real = d.worker.transport.agent.add_remote_agent
+    monkeypatch.setattr(d.worker.transport.agent, "add_remote_agent",
+                        lambda md: loads.append(md) or real(md))
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    p_done(p, "p1", "t1", P_BLOCKS)
+    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
+    offer = test_worker.p_finish(p, "p2", P_BLOCKS)
+    p.worker.submit(p.sched.take_meta())
+    d.worker.submit(test_worker.d_task(d, "d2", offer, [9, 10, 11, 12, 13, 14]))
+    assert d.collect(lambda r: "d2" in r.recvd, 15).bad_blocks == set()
+    assert written(d, p, [9, 10, 11, 12, 13, 14], P_BLOCKS)
+    assert len(loads) == 1
+    peers = d.worker.transport._peers
+    assert len({id(x) for x in peers.values()}) == 1 and len(peers) == 2
+    d.worker.drop_peer("127.0.0.1", p.port)  # dropped under one key: gone under both
+    assert d.worker.transport._peers == {}
