@@ -181,6 +181,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
     engine_args = ENGINE_ARGS + (("--enforce-eager",) if args.eager else ())
+    if args.one_gpu:
+        args.hardware = "h200x1"
     if args.one_gpu:  # a fixed KV size: two engines profiling at once confuse vLLM's budget
         engine_args = ("--max-model-len", "20000", "--no-enable-prefix-caching",
                        "--kv-cache-memory-bytes", str(40 << 30))
