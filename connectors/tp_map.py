@@ -5,8 +5,11 @@ one head, replicated over t/H ranks, when t > H (vLLM's layout). A D rank needs 
 heads; each of them is taken from exactly one P rank that holds it, spreading replicas
 over D ranks so no P rank serves every read. The same plan drives both directions: in
 pull the D rank READs these segments, in push exactly these P ranks WRITE them, and D
-waits for the notification of every P rank in `writers(d_rank)`. Pure and exhaustively
-tested; wiring it into the transport (per-head sub-block descriptors) is future work.
+waits for the notification of every P rank in `writers(d_rank)`. `copies` turns a
+segment into byte ranges inside one block, for any memory order of the block's dims
+(heads outermost as in HND: one range; tokens outside heads as in NHD, or layers and K/V
+outside heads in a cross-layer block: one range per outer index). Pure and exhaustively
+tested, down to the bytes; the transport does not use it yet (no per-rank registration).
 """
 
 from __future__ import annotations
@@ -60,3 +63,50 @@ def plan(num_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[Segment]:
 def writers(num_heads: int, p_tp: int, d_tp: int, d_rank: int) -> set[int]:
     """P ranks whose WRITE completion D rank ``d_rank`` must see before decoding."""
     return {s.p_rank for s in plan(num_heads, p_tp, d_tp, d_rank)}
+
+
+@dataclass(frozen=True)
+class HeadAxis:
+    """Where the KV heads sit in one block's bytes: ``outer`` consecutive groups (every dim
+    stored outside the heads dim: layers, K/V, tokens in NHD), each of ``num_heads`` heads
+    of ``head_bytes`` (everything stored inside it: head_dim, tokens in HND)."""
+
+    outer: int
+    num_heads: int
+    head_bytes: int
+
+    @classmethod
+    def of(cls, sizes: tuple[int, ...], heads_dim: int, elem_bytes: int) -> HeadAxis:
+        """From a block's dim sizes in memory order (outermost first)."""
+        inner = elem_bytes
+        for n in sizes[heads_dim + 1:]:
+            inner *= n
+        outer = 1
+        for n in sizes[:heads_dim]:
+            outer *= n
+        return cls(outer, sizes[heads_dim], inner)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.outer * self.num_heads * self.head_bytes
+
+    def ranges(self, start: int, count: int, merge: bool = True) -> list[tuple[int, int]]:
+        """(offset, length) in the block of local heads [start, start + count); all heads
+        are one range when ``merge``, else one per outer group like any other slice."""
+        if not (start >= 0 and count > 0 and start + count <= self.num_heads):
+            raise ValueError(f"heads [{start}, {start + count}) outside {self.num_heads}")
+        if merge and count == self.num_heads:
+            return [(0, self.block_bytes)]
+        group = self.num_heads * self.head_bytes
+        return [(o * group + start * self.head_bytes, count * self.head_bytes)
+                for o in range(self.outer)]
+
+
+def copies(p: HeadAxis, d: HeadAxis, seg: Segment) -> list[tuple[int, int, int]]:
+    """(offset in P's block, offset in D's block, length) that move ``seg``'s heads."""
+    if (p.outer, p.head_bytes) != (d.outer, d.head_bytes):
+        raise ValueError(f"blocks differ outside the heads: P {p}, D {d}")
+    whole = seg.count == p.num_heads == d.num_heads  # same bytes on both sides: one range
+    return [(po, do, n) for (po, n), (do, _) in zip(p.ranges(seg.p_start, seg.count, whole),
+                                                   d.ranges(seg.d_start, seg.count, whole),
+                                                   strict=True)]

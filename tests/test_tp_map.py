@@ -1,12 +1,14 @@
-"""TP mapping for every (P TP, D TP) pair up to 8 and every head count that fits."""
+"""TP mapping for every (P TP, D TP) pair up to 8 and every head count that fits, down to
+the bytes each segment moves in four block memory orders."""
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
-from kvferry.connectors.tp_map import Segment, heads_of, plan, writers
+from kvferry.connectors.tp_map import HeadAxis, Segment, copies, heads_of, plan, writers
 
 TPS = range(1, 9)
 HEADS = (1, 2, 4, 8, 16)
@@ -65,3 +67,56 @@ def test_examples():
 def test_invalid_splits_raise(h, t):
     with pytest.raises(ValueError):
         heads_of(0, t, h)
+
+
+# -- bytes: copies() moves exactly the planned heads, whatever the block's memory order --
+
+BLOCK = {"layers": 3, "kv": 2, "tokens": 4, "heads": None, "dim": 5}  # heads filled per rank
+ORDERS = {  # memory order of one block's dims, outermost first
+    "cross_layer_nhd": ("layers", "kv", "tokens", "heads", "dim"),
+    "cross_layer_hnd": ("layers", "kv", "heads", "tokens", "dim"),
+    "heads_outermost": ("heads", "layers", "kv", "tokens", "dim"),
+    "per_layer_nhd": ("tokens", "heads", "dim"),
+}
+NBLK = 3
+
+
+def rank_blocks(order: str, heads: range, rng_seed: int) -> tuple[np.ndarray, HeadAxis]:
+    """A rank's KV blocks as bytes (NBLK x block), filled from a global array so every head
+    of every block has a distinct value; and the rank's HeadAxis."""
+    dims = ORDERS[order]
+    sizes = tuple(len(heads) if d == "heads" else BLOCK[d] for d in dims)
+    full = tuple(16 if d == "heads" else BLOCK[d] for d in dims)
+    glob = np.random.default_rng(rng_seed).integers(0, 2**15, (NBLK, *full), dtype=np.int16)
+    hd = dims.index("heads")
+    local = np.take(glob, list(heads), axis=1 + hd)
+    assert local.shape[1:] == sizes
+    return np.ascontiguousarray(local).view(np.uint8).reshape(NBLK, -1), HeadAxis.of(sizes, hd, 2)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("h,p_tp,d_tp", [c for c in CASES if c[0] <= 16])
+def test_copies_rebuild_every_d_rank_exactly(order, h, p_tp, d_tp):
+    seed = 7  # P and D ranks slice the same global tensor
+    p_blocks = {}
+    for r in range(p_tp):
+        p_blocks[r] = rank_blocks(order, heads_of(r, p_tp, h), seed)
+    for d in range(d_tp):
+        want, d_axis = rank_blocks(order, heads_of(d, d_tp, h), seed)
+        got = np.zeros_like(want)
+        for seg in plan(h, p_tp, d_tp, d):
+            src, p_axis = p_blocks[seg.p_rank]
+            for b_p, b_d in ((0, 2), (1, 0), (2, 1)):  # any block ids map block for block
+                for po, do, n in copies(p_axis, d_axis, seg):
+                    got[b_d, do:do + n] = src[b_p, po:po + n]
+        assert np.array_equal(got[[2, 0, 1]], want[[0, 1, 2]]), (order, h, p_tp, d_tp, d)
+
+
+def test_copies_merge_whole_blocks_and_refuse_mismatches():
+    a = HeadAxis(outer=6, num_heads=4, head_bytes=10)
+    assert copies(a, a, Segment(0, 0, 0, 4)) == [(0, 0, 240)]
+    assert copies(a, HeadAxis(6, 8, 10), Segment(0, 1, 5, 2))[:2] == [(10, 50, 20), (50, 130, 20)]
+    with pytest.raises(ValueError):
+        copies(a, HeadAxis(6, 8, 12), Segment(0, 0, 0, 1))
+    with pytest.raises(ValueError):
+        a.ranges(3, 2)
