@@ -135,15 +135,17 @@ class KvferryConnector(KVConnectorBase_V1):
             params["reuse"] = None  # one reuse READ attempt, likewise
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        if self._sched.saves is not None:  # host staging may be active: what P must stage
-            self._sched.plan_saves(compat.step_progress(scheduler_output),
-                                   compat.grown_blocks(scheduler_output))
-        if self._sched.tracks_push():  # early push: prefills completing in this step
-            self._sched.plan_push(compat.step_progress(scheduler_output),
-                                  compat.grown_blocks(scheduler_output),
-                                  compat.preempted(scheduler_output))
-        if timeline.ENABLED and self._sched.landed:
-            self._sched.note_scheduled(compat.step_progress(scheduler_output))
+        sched = self._sched
+        staging, pushing = sched.saves is not None, sched.tracks_push()
+        if staging or pushing or (timeline.ENABLED and sched.landed):
+            progress = compat.step_progress(scheduler_output)
+            grown = compat.grown_blocks(scheduler_output) if staging or pushing else {}
+            if staging:  # host staging may be active: what P must stage
+                sched.plan_saves(progress, grown)
+            if pushing:  # early push: prefills completing in this step
+                sched.plan_push(progress, grown, compat.preempted(scheduler_output))
+            if timeline.ENABLED:
+                sched.note_scheduled(progress)
         meta = self._sched.take_meta()
         meta.idle = compat.scheduled_tokens(scheduler_output) == 0
         return KvferryMeta(meta)

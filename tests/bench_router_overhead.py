@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -28,6 +26,7 @@ from helpers_http import FakeEngine, serve  # noqa: E402
 
 from kvferry.router.app import create_app  # noqa: E402
 from kvferry.router.settings import RouterSettings  # noqa: E402
+from kvferry.scripts.bench import git_commit  # noqa: E402
 
 
 def ttft_ms(client: httpx.Client, url: str, body: dict, headers: dict) -> float:
@@ -46,9 +45,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    commit = os.environ.get("KVFERRY_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-        cwd=Path(__file__).parent).stdout.strip()
+    commit = git_commit()[0]
     p_eng = FakeEngine("P", kv_params={"remote_engine_id": "p"})
     d_eng = FakeEngine("D", chunks=2)
     lines = []
@@ -70,6 +67,8 @@ def main() -> int:
                 lines.append({"experiment": "router_overhead", "target": name, "input_len": n,
                               "n": len(vals), "ttft_ms_p50": round(statistics.median(vals), 3),
                               "ttft_ms_p90": round(vals[int(0.9 * (len(vals) - 1))], 3),
+                              "impl": "kvferry" if name != "direct" else "direct",
+                              "mode": name.removeprefix("router-"),
                               "hardware": "cpu", "commit": commit,
                               "command": " ".join(sys.argv),
                               "date": time.strftime("%Y-%m-%d")})

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ os.environ.setdefault("KVFERRY_TIMELINE", "1")  # engines inherit it; read at im
 from stack import pd_stack  # noqa: E402
 
 from kvferry.connectors import timeline  # noqa: E402
+from kvferry.scripts.bench import git_commit  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
 
@@ -48,7 +50,7 @@ logging.getLogger("kvferry.router.flow").setLevel(logging.INFO)
 
 def bench(targets: list[str], args, experiment: str, raw: Path | None = None) -> None:
     cmd = [sys.executable, "-m", "kvferry.scripts.cli", "bench", "--experiment", experiment,
-           "--hardware", getattr(args, "hardware", "h200x2"), "--model-name", args.shape,
+           "--hardware", args.hardware, "--model-name", args.shape,
            "--vocab", str(SHAPES[args.shape].vocab_size),
            "--input-len", args.input_len, "--output-len", str(args.output_len), "--qps", args.qps,
            "--num-requests", str(args.num_requests), "--results-dir", str(Path(args.out).parent)]
@@ -85,10 +87,13 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> No
             print(e.role, len(lines), "transfers; last:", lines[-2:], flush=True)
         report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines])
     out = Path(args.out).with_suffix(".timeline.jsonl")
+    meta = {"experiment": "push_timeline", "impl": "kvferry", "hardware": args.hardware,
+            "model": args.shape, "command": shlex.join([sys.executable, *sys.argv]),
+            "commit": git_commit()[0], "date": time.strftime("%Y-%m-%d")}
     with out.open("a") as f:
         for line in report + engine_means:
             print("push timeline:", line, flush=True)
-            f.write(json.dumps({"shape": args.shape, **line}) + "\n")
+            f.write(json.dumps({**meta, **line}) + "\n")
 
 
 HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft",  # API server: arrival -> first token
@@ -107,8 +112,9 @@ def scrape(url: str) -> dict[str, tuple[float, float]]:
     except httpx.HTTPError:
         return out
     for fam in text_string_to_metric_families(text):
-        if fam.name + "_seconds" in HISTOGRAMS or fam.name in HISTOGRAMS:
-            key = HISTOGRAMS.get(fam.name) or HISTOGRAMS[fam.name + "_seconds"]
+        # the parser may strip the unit suffix from a family's name
+        key = HISTOGRAMS.get(fam.name) or HISTOGRAMS.get(fam.name + "_seconds")
+        if key:
             tot = cnt = 0.0
             for smp in fam.samples:
                 if smp.name.endswith("_sum"):
@@ -181,8 +187,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
     engine_args = ENGINE_ARGS + (("--enforce-eager",) if args.eager else ())
-    if args.one_gpu:
-        args.hardware = "h200x1"
+    args.hardware = "cpu" if args.backend == "cpu" else "h200x1" if args.one_gpu else "h200x2"
     if args.one_gpu:  # a fixed KV size: two engines profiling at once confuse vLLM's budget
         engine_args = ("--max-model-len", "20000", "--no-enable-prefix-caching",
                        "--kv-cache-memory-bytes", str(40 << 30))

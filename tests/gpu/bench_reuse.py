@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stack import pd_stack  # noqa: E402
 
+from kvferry.scripts.bench import git_commit  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
 
@@ -175,14 +175,6 @@ def _median(xs: list) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:
-        return os.environ.get("KVFERRY_COMMIT", "unknown")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -272,7 +264,7 @@ def main() -> int:
                         "prefill_ms_p50": _median([r["prefill_ms"] for r in rows]),
                         "outputs_match": all(r["out"] == o["out"]
                                              for r, o in zip(rows, offs, strict=True)),
-                        "command": cmd, "commit": commit(),
+                        "command": cmd, "commit": git_commit()[0],
                         "date": date.today().isoformat()}) + "\n")
     print(Path(args.out).read_text(), flush=True)
     return 0
