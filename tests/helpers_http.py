@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import threading
 import time
@@ -19,12 +20,38 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range.
+
+    Engines bind it tens of seconds later; an OS-picked (ephemeral) port can be taken by
+    then by any process's outgoing connection or ZMQ socket (CI lost a run to "Address
+    already in use" on a side channel). Ports handed out here stay 8 apart, because
+    engines also bind port + TP rank."""
+    rng = random.Random()
+    hi = _ephemeral_low() - 8
+    for _ in range(1000):
+        port = rng.randrange(20000, hi)
+        if any(abs(port - g) < 8 for g in _GIVEN):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 class ServerThread:
