@@ -28,6 +28,28 @@ from kvferry.scripts.procs import Child, stop_all, wait_healthy
 
 STARTUP_S = float(os.environ.get("KVFERRY_TEST_STARTUP_S", "900"))
 
+# Every engine the tests started and still running: a failing test's report carries the
+# tails of their logs (conftest.py), since CI keeps nothing but pytest's output.
+STARTED: list[Child] = []
+
+
+def engine_log_tails(lines: int = 60) -> str:
+    """The last lines of every live engine's log, and every error line before them."""
+    out = []
+    for child in STARTED:
+        if not child.group_alive():
+            continue
+        try:
+            text = child.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        head = text[:-lines]
+        errors = [ln for ln in head if re.search(r"ERROR|Traceback|Error:|timed out", ln)]
+        out.append(f"==== {child.name} {child.log_path.name}: {len(errors)} earlier error lines, "
+                   f"then the last {lines} ====")
+        out.extend(errors[-40:] + ["...."] + text[-lines:])
+    return "\n".join(out)
+
 
 def prompt(n: int, seed: int, vocab: int = 1000) -> list[int]:
     """Deterministic random token ids (no tokenizer needed)."""
@@ -113,6 +135,7 @@ def start_engine(role: str, model: str, logs: Path, secret: str, connector: str 
     child = Child(role, engine_argv(spec), logs / f"{role}-{port}.log",
                   f"http://127.0.0.1:{port}/health", env)
     child.start()
+    STARTED.append(child)
     return Engine(role, f"http://127.0.0.1:{port}", child, side, control, vllm_engine_id(spec))
 
 
