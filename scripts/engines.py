@@ -21,7 +21,8 @@ BACKENDS: tuple[str, ...] = ("cpu", "cuda", "neuron")
 CONNECTORS: tuple[str, ...] = ("kvferry", "vllm-nixl")
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
-SIDE_CHANNEL_PORTS: dict[str, int] = {"prefill": 5600, "decode": 5601}
+SIDE_CHANNEL_PORTS: dict[str, int] = {"prefill": 5600, "decode": 5616}
+"""Default side-channel ports; each TP rank listens on port + rank (up to 16 ranks)."""
 CUDA_KVFERRY_ENV: dict[str, str] = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 """vLLM 0.26's V2 model runner (its default for dense models) never offers the cross-layer
 KV layout (one descriptor per block run for all layers); V1 does. Without it a 16k-token
@@ -133,7 +134,7 @@ def engine_argv(spec: EngineSpec) -> list[str]:
     ]
     if spec.served_model_name:
         argv += ["--served-model-name", spec.served_model_name]
-    if spec.backend == "cuda" and spec.devices_per_engine > 1:
+    if spec.backend in ("cuda", "cpu") and spec.devices_per_engine > 1:
         argv += ["--tensor-parallel-size", str(spec.devices_per_engine)]
     return argv + list(spec.extra_args)
 
@@ -147,10 +148,12 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     if spec.ucx_tls:
         env["UCX_TLS"] = spec.ucx_tls
     if spec.backend == "cpu":
-        cpus = spec.cpus if spec.cpus is not None else available_cpus()
+        cpus = cpu_slice(spec.cpus if spec.cpus is not None else available_cpus(), spec.index)
+        tp = spec.devices_per_engine  # CPU TP ranks: one bind per rank, '|'-separated
         env.update({
             # Unpinned engines spin against each other: TTFT 0.2 s -> 20-60 s on 2 cores.
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_share(cpus, spec.index),
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(format_ranges(cpu_slice(cpus, r, tp))
+                                                  for r in range(tp)),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
@@ -177,14 +180,20 @@ def available_cpus() -> tuple[int, ...]:
 
 def cpu_share(cpus: tuple[int, ...], index: int, parts: int = 2) -> str:
     """The `index`-th of `parts` contiguous slices of `cpus`, as a vLLM bind string."""
+    return format_ranges(cpu_slice(cpus, index, parts))
+
+
+def cpu_slice(cpus: tuple[int, ...], index: int, parts: int = 2) -> tuple[int, ...]:
+    """The `index`-th of `parts` contiguous slices of `cpus` (one CPU, shared, when
+    there are fewer CPUs than parts)."""
     if not cpus:
         raise ValueError("no CPUs available")
     if len(cpus) < parts:
-        return str(cpus[index % len(cpus)])
+        return (cpus[index % len(cpus)],)
     size = len(cpus) // parts
     start = index * size
     end = len(cpus) if index == parts - 1 else start + size
-    return format_ranges(cpus[start:end])
+    return tuple(cpus[start:end])
 
 
 def device_share(spec: EngineSpec) -> list[int]:

@@ -38,7 +38,7 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-@pytest.mark.parametrize("role,side,bind", [("prefill", 5600, "0"), ("decode", 5601, "1")])
+@pytest.mark.parametrize("role,side,bind", [("prefill", 5600, "0"), ("decode", 5616, "1")])
 def test_cpu_kvferry_engine(role: str, side: int, bind: str) -> None:
     spec = EngineSpec(role=role, model="/m", port=8100, cpus=(0, 1))  # type: ignore[arg-type]
     argv = engine_argv(spec)
@@ -112,6 +112,19 @@ def test_cpu_splits() -> None:
     assert [cpu_share((0, 1, 2), i) for i in (0, 1)] == ["0", "1-2"]
     assert cpu_share((0,), 1) == "0"
     assert format_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+
+
+def test_cpu_tp_engine_binds_each_rank_and_ports_leave_room_for_ranks() -> None:
+    """A CPU engine with TP ranks: vLLM's '|'-separated bind, one slice per rank, and
+    --tensor-parallel-size; P's ranks (side port + rank) never reach D's side port."""
+    spec = EngineSpec(role="prefill", model="/m", port=1, cpus=tuple(range(8)),
+                      devices_per_engine=2)
+    assert engine_env(spec)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    assert _flag(engine_argv(spec), "--tensor-parallel-size") == "2"
+    small = EngineSpec(role="decode", model="/m", port=1, cpus=(0, 1), devices_per_engine=2)
+    assert engine_env(small)["VLLM_CPU_OMP_THREADS_BIND"] == "1|1"
+    p, d = (EngineSpec(role=r, model="/m", port=1) for r in ("prefill", "decode"))
+    assert p.side_port + 15 < d.side_port < p.control_port
 
 
 def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
