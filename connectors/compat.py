@@ -101,3 +101,48 @@ def grown_blocks(scheduler_output: Any) -> dict[str, tuple[list[int], bool]]:
         if ids is not None and (blocks := first_group(ids)):
             out[req_id] = (blocks, req_id in resumed)
     return out
+
+
+try:  # 0.32: per-layer KV views are logical [B, H, N, C] whatever the memory order
+    from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401
+
+    LOGICAL_BHNC = True
+except ImportError:  # 0.26
+    LOGICAL_BHNC = False
+
+_PROBE = {"num_blocks": 7919, "block_size": 112, "num_kv_heads": 101, "head_size": 64}
+
+
+def kv_heads_dim(vllm_config: Any, kv_caches: Any, attn_backend: Any = None,
+                 cross_layer: bool = False) -> int | None:
+    """Index of the KV-heads dim in the KV tensors vLLM gave the connector (None: not
+    found). 0.32 hands every layer's cache as a logical [blocks, heads, tokens, content]
+    view (`KVCacheLayout`); 0.26 asks the attention backend for its cache shape with
+    sentinel sizes (``get_kv_cache_shape``), and a cross-layer tensor comes in memory
+    order with a layers dim in front (``get_kv_cache_stride_order(...=True)``).
+    """
+    if LOGICAL_BHNC and not cross_layer:
+        return 1
+    try:
+        if attn_backend is None:
+            ctx = vllm_config.compilation_config.static_forward_context
+            layer = ctx[next(iter(kv_caches))]
+            attn_backend = getattr(layer, "attn_backend", None) or layer.get_attn_backend()
+        idx = list(attn_backend.get_kv_cache_shape(**_PROBE)).index(_PROBE["num_kv_heads"])
+        if not cross_layer:
+            return idx
+        try:
+            order = list(attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
+        except (AttributeError, NotImplementedError):
+            return idx + 1
+        return order.index(idx + 1)
+    except Exception:  # unknown backend shape: same-TP transfers still work
+        return None
+
+
+def total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over all TP ranks (0 when unknown)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:
+        return 0

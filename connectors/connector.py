@@ -77,7 +77,8 @@ class KvferryConnector(KVConnectorBase_V1):
                 # P frees unread blocks send_timeout_s after the prefill; offers end earlier.
                 offer_ttl=max(cfg.send_timeout_s - OFFER_GUARD_S, cfg.send_timeout_s / 2),
                 stage_saves=host_staging,
-                early_push=cfg.early_push and get_backend(cfg.hardware_backend).supports_fence)
+                early_push=cfg.early_push and get_backend(cfg.hardware_backend).supports_fence,
+                num_kv_heads=compat.total_kv_heads(vllm_config))
 
     def _host_staging_possible(self) -> bool:
         """May this engine's workers move KV through host mirrors (neuron/staging.py)?
@@ -174,7 +175,7 @@ class KvferryConnector(KVConnectorBase_V1):
         return bool(leases is not None and leases.evict_for_pressure())
 
     # -- worker side -------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], heads_dim: int | None = None) -> None:
         from kvferry.connectors.worker import TransferWorker
 
         rank = compat.tp_rank()
@@ -186,15 +187,20 @@ class KvferryConnector(KVConnectorBase_V1):
             from kvferry.neuron.envcheck import init_order
 
             init_order()  # the Neuron runtime must be up before libfabric loads (FI_HMEM_NEURON)
-        layout = backend.describe(kv_caches, n, self.block_size)
+        if heads_dim is None and kv_caches:
+            heads_dim = compat.kv_heads_dim(self._vllm_config, kv_caches)
+        layout = backend.describe(kv_caches, n, self.block_size, heads_dim)
         first = next(iter(kv_caches.values()))
-        log.info("kvferry: %d KV tensors like %s %s; %d blocks", len(kv_caches),
-                 tuple(first.shape), getattr(first, "dtype", "?"), n)
+        log.info("kvferry: %d KV tensors like %s %s; %d blocks; KV heads at dim %s (%d here)",
+                 len(kv_caches), tuple(first.shape), getattr(first, "dtype", "?"), n, heads_dim,
+                 layout.num_heads)
         # Host staging (neuron): the layout is the DRAM mirror and the worker copies
         # device <-> mirror around transfers; cpu/cuda have none.
         self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout,
                                       self.cfg.transport_backends(backend), self.instance,
-                                      staging=getattr(backend, "staging", None))
+                                      staging=getattr(backend, "staging", None),
+                                      tp_size=self._vllm_config.parallel_config.tensor_parallel_size,
+                                      num_heads=compat.total_kv_heads(self._vllm_config))
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
@@ -202,7 +208,9 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any = None) -> None:
         """vLLM gave one tensor for all layers (it honoured prefer_cross_layer_blocks)."""
-        self.register_kv_caches({"all_layers": kv_cache})
+        heads_dim = (compat.kv_heads_dim(self._vllm_config, {}, attn_backend, cross_layer=True)
+                     if attn_backend is not None else None)
+        self.register_kv_caches({"all_layers": kv_cache}, heads_dim)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata

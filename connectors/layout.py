@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvferry.connectors.memory import KVLayout
+from kvferry.connectors.tp_map import HeadAxis, Segment, copies
 
 
 class LayoutMismatch(ValueError):
@@ -25,6 +26,16 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
             f"{local.signature()[1][:2]}...; remote {remote.signature()[0]}, "
             f"{remote.signature()[1][:2]}..."
         )
+
+
+def check_head_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Peers of different TP sizes: blocks equal in every dim but the heads."""
+    a, b = local.head_signature(), remote.head_signature()
+    if a is None or b is None:
+        raise LayoutMismatch("KV heads not located in a block: peers must have equal TP sizes")
+    if a != b:
+        raise LayoutMismatch(f"KV blocks differ outside the heads: local {a[0]} tokens, "
+                             f"{a[1][:2]}...; remote {b[0]}, {b[1][:2]}...")
 
 
 def runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -92,3 +103,41 @@ def descriptors(
                     loc.append((lp.base + (ls + i) * lp.stride, lp.block_bytes, ldev))
                     rem.append((rp.base + (r0 + i) * rp.stride, rp.block_bytes, rdev))
     return np.array(loc, dtype=np.uint64).reshape(-1, 3), np.array(rem, dtype=np.uint64).reshape(-1, 3)
+
+
+def head_descriptors(
+    local: KVLayout, remote: KVLayout, local_ids: Sequence[int], remote_ids: Sequence[int],
+    seg: Segment, local_is_source: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Like `descriptors`, for one segment of heads between peers of different TP sizes
+    (tp_map.plan, whose "P" side is the source: the side whose heads are copied; in a
+    pull or reuse READ the remote one, in a push WRITE the local one): in every block
+    pair, the byte ranges `tp_map.copies` gives. Adjacent
+    ranges that continue on both sides are merged (whole blocks of equal heads, as in
+    `descriptors`, and runs of blocks when a segment is a block's heads outermost)."""
+    check_head_compatible(local, remote)
+    _check_ids(local, local_ids, "local")
+    _check_ids(remote, remote_ids, "remote")
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"{len(local_ids)} local blocks vs {len(remote_ids)} remote blocks")
+    loc: list[list[int]] = []
+    rem: list[list[int]] = []
+    for lp, rp in zip(local.planes, remote.planes, strict=True):
+        la, ra = HeadAxis(*lp.heads), HeadAxis(*rp.heads)
+        pa, da = (la, ra) if local_is_source else (ra, la)
+        pieces = [(p, d, n) if local_is_source else (d, p, n) for p, d, n in copies(pa, da, seg)]
+        ldev = local.regions[lp.region].device_id
+        rdev = remote.regions[rp.region].device_id
+        for lb, rb in zip(local_ids, remote_ids, strict=True):
+            la0, ra0 = lp.block_addr(lb), rp.block_addr(rb)
+            for lo, ro, n in pieces:
+                last_l, last_r = (loc[-1], rem[-1]) if loc else (None, None)
+                if (last_l is not None and last_l[0] + last_l[1] == la0 + lo and last_l[2] == ldev
+                        and last_r[0] + last_r[1] == ra0 + ro and last_r[2] == rdev):
+                    last_l[1] += n
+                    last_r[1] += n
+                else:
+                    loc.append([la0 + lo, n, ldev])
+                    rem.append([ra0 + ro, n, rdev])
+    return (np.array(loc, dtype=np.uint64).reshape(-1, 3),
+            np.array(rem, dtype=np.uint64).reshape(-1, 3))

@@ -43,6 +43,10 @@ class Plane:
     block_bytes: int
     num_blocks: int
     fmt: str = ""  # inner dims and their memory order: peers must match, not just byte counts
+    # Where the KV heads sit inside a block, as tp_map.HeadAxis (outer, num_heads,
+    # head_bytes); (0, 0, 0) when unknown. Peers with different TP sizes copy head
+    # segments by it instead of whole blocks.
+    heads: tuple[int, int, int] = (0, 0, 0)
 
     def block_addr(self, block_id: int) -> int:
         if not 0 <= block_id < self.num_blocks:
@@ -63,11 +67,23 @@ class KVLayout:
         """What two peers must share for a block-for-block copy."""
         return self.block_size, tuple((p.block_bytes, p.fmt) for p in self.planes)
 
+    @property
+    def num_heads(self) -> int:
+        """KV heads of this rank in each block (0: unknown)."""
+        return self.planes[0].heads[1] if self.planes else 0
+
+    def head_signature(self) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+        """What two peers of different TP sizes must share to copy head segments: every
+        dim of a block but the heads (None when the heads are not located)."""
+        if not self.planes or any(p.heads[1] <= 0 for p in self.planes):
+            return None
+        return self.block_size, tuple((p.heads[0], p.heads[2]) for p in self.planes)
+
     def to_wire(self) -> dict[str, Any]:
         return {
             "regions": [[r.addr, r.length, r.device_id, r.mem_type] for r in self.regions],
-            "planes": [[p.region, p.base, p.stride, p.block_bytes, p.num_blocks, p.fmt]
-                       for p in self.planes],
+            "planes": [[p.region, p.base, p.stride, p.block_bytes, p.num_blocks, p.fmt,
+                        list(p.heads)] for p in self.planes],
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
         }
@@ -76,7 +92,8 @@ class KVLayout:
     def from_wire(cls, d: Mapping[str, Any]) -> KVLayout:
         return cls(
             regions=tuple(Region(int(a), int(n), int(dev), str(t)) for a, n, dev, t in d["regions"]),
-            planes=tuple(Plane(*map(int, p[:5]), *(str(x) for x in p[5:6])) for p in d["planes"]),
+            planes=tuple(Plane(*map(int, p[:5]), *(str(x) for x in p[5:6]),
+                               *(tuple(int(v) for v in h) for h in p[6:7])) for p in d["planes"]),
             num_blocks=int(d["num_blocks"]),
             block_size=int(d["block_size"]),
         )
@@ -89,11 +106,13 @@ def planes_of_array(
     strides_bytes: Sequence[int],
     elem_bytes: int,
     block_dim: int,
+    heads_dim: int | None = None,
 ) -> list[Plane]:
     """Planes of one strided array whose dimension ``block_dim`` indexes blocks.
 
     Dimensions before ``block_dim`` (e.g. the K/V axis) become separate planes; the
     dimensions after it must be dense so one block is one contiguous byte range.
+    ``heads_dim`` (a dim after ``block_dim``) locates the KV heads inside a block.
     """
     inner = shape[block_dim + 1:]
     block_bytes = math.prod(inner) * elem_bytes
@@ -108,12 +127,19 @@ def planes_of_array(
         expect *= size
     order = sorted(range(len(inner)), key=lambda i: -strides_bytes[block_dim + 1 + i])
     fmt = "x".join(map(str, inner)) + "/" + "".join(map(str, order))
+    heads = (0, 0, 0)
+    if heads_dim is not None and heads_dim > block_dim:
+        from kvferry.connectors.tp_map import HeadAxis
+
+        axis = HeadAxis.of(tuple(inner[i] for i in order), order.index(heads_dim - block_dim - 1),
+                           elem_bytes)
+        heads = (axis.outer, axis.num_heads, axis.head_bytes)
     outer = shape[:block_dim]
     planes = []
     for idx in _ndindex(outer):
         off = sum(i * s for i, s in zip(idx, strides_bytes[:block_dim], strict=True))
         planes.append(Plane(region, base + off, strides_bytes[block_dim], block_bytes,
-                            shape[block_dim], fmt))
+                            shape[block_dim], fmt, heads))
     return planes
 
 
@@ -134,8 +160,10 @@ class MemoryBackend(ABC):
     default_nixl_backends: tuple[str, ...]
 
     @abstractmethod
-    def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int) -> KVLayout:
-        """Regions and planes of this rank's KV caches (layer order = dict order)."""
+    def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int,
+                 heads_dim: int | None = None) -> KVLayout:
+        """Regions and planes of this rank's KV caches (layer order = dict order).
+        ``heads_dim``: the KV-heads dim of every tensor's (logical) shape, when known."""
 
     supports_fence: bool = False
 
@@ -149,7 +177,8 @@ class MemoryBackend(ABC):
 class TorchMemoryBackend(MemoryBackend):
     """KV caches that are torch tensors whose data_ptr() is the real address (CPU, CUDA)."""
 
-    def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int) -> KVLayout:
+    def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int,
+                 heads_dim: int | None = None) -> KVLayout:
         regions: list[Region] = []
         region_of: dict[int, int] = {}
         planes: list[Plane] = []
@@ -173,7 +202,8 @@ class TorchMemoryBackend(MemoryBackend):
             if num_blocks == 2 and len(dims) > 1:
                 raise ValueError(f"{name}: block dimension ambiguous in {tuple(t.shape)} "
                                  f"(num_blocks={num_blocks} equals the K/V axis)")
-            planes += planes_of_array(region_of[key], t.data_ptr(), shape, strides, es, dims[0])
+            hd = order.index(heads_dim) if heads_dim is not None else None
+            planes += planes_of_array(region_of[key], t.data_ptr(), shape, strides, es, dims[0], hd)
         return KVLayout(tuple(regions), tuple(planes), num_blocks, block_size)
 
     def _check_device(self, name: str, t: Any) -> None:

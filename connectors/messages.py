@@ -1,6 +1,7 @@
 """NIXL notification messages between engines (msgpack, tagged, versioned by prefix).
 
-Pull:  D -> P  Done        (READ finished, or D will not read: free the blocks)
+Pull:  D -> P  Done        (READ finished, or D will not read: free the blocks once
+                            every D rank reading this P rank said so)
 Push:  D -> P  Register    (destination blocks of a transfer id, signed)
        P -> D  Wrote       (one P rank's WRITE for a transfer id landed)
        P -> D  Rejected    (P will write nothing (more) for that transfer id)
@@ -16,6 +17,7 @@ PREFIX = b"kvf1"
 
 class Done(msgspec.Struct, tag="done"):
     req_id: str
+    expect: int = 1  # notices this P rank gets for req_id in all (D ranks reading it)
 
 
 class Register(msgspec.Struct, tag="reg"):
@@ -31,6 +33,7 @@ class Register(msgspec.Struct, tag="reg"):
     num_tokens: int
     prompt_hash: str
     sig: str = ""
+    tp_size: int = 1  # D's: P writes head segments to D's ranks when its own differs
 
 
 class Wrote(msgspec.Struct, tag="wrote"):
@@ -41,6 +44,7 @@ class Wrote(msgspec.Struct, tag="wrote"):
 class Rejected(msgspec.Struct, tag="reject"):
     transfer_id: str
     reason: str
+    rank: int = -1  # the P rank that will write nothing (more); -1: every rank
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -442,7 +442,12 @@ class _Expect:
     p_ranks: frozenset[int]
     since: float
     notified: set[int] = field(default_factory=set)
+    rejected: set[int] = field(default_factory=set)  # ranks that promised no (more) WRITE
     quarantine_until: float | None = None  # set: failed/aborted, waiting out late WRITEs
+
+    def settled(self) -> bool:
+        """No WRITE can still land: every rank rejected or finished writing."""
+        return self.p_ranks <= self.rejected | self.notified
 
 
 class PushReceiver:
@@ -488,8 +493,11 @@ class PushReceiver:
     def notified(self, transfer_id: str, rank: int) -> list[RecvAction]:
         """P rank ``rank`` reported its WRITE for ``transfer_id`` complete."""
         x = self._live.get(transfer_id)
-        if x is None or x.quarantine_until is not None or rank not in x.p_ranks:
-            return []  # unknown, abandoned or foreign: never makes anything ready
+        if x is None or rank not in x.p_ranks:
+            return []  # unknown or foreign: never makes anything ready
+        if x.quarantine_until is not None:  # abandoned: never ready, but maybe settled
+            x.notified.add(rank)
+            return self._release_if_settled(transfer_id, x)
         x.notified.add(rank)
         if x.notified != x.p_ranks:
             return []
@@ -507,19 +515,28 @@ class PushReceiver:
         x.quarantine_until = now + self.quarantine
         return [RecvFailed(transfer_id, x.req_id, reason)]
 
-    def rejected(self, transfer_id: str, reason: str, now: float
+    def rejected(self, transfer_id: str, reason: str, now: float, rank: int | None = None
                  ) -> list[RecvAction]:
-        """P's Reject: it will write nothing (more), so the blocks are safe at once."""
+        """P's Reject (from rank ``rank``; None: all of P): it will write nothing (more).
+        The blocks are safe at once when no other writing rank may still WRITE; else
+        they stay quarantined until those ranks reject or finish too, or time passes."""
         self._now = max(self._now, now)
-        x = self._live.pop(transfer_id, None)
+        x = self._live.get(transfer_id)
         if x is None:
             return []
-        self._ended.add(transfer_id, _Ended("rejected", True, self._now))
+        x.rejected |= set(x.p_ranks) if rank is None else {rank} & x.p_ranks
         out: list[RecvAction] = []
         if x.quarantine_until is None:
+            x.quarantine_until = now + self.quarantine
             out.append(RecvFailed(transfer_id, x.req_id, f"rejected by P: {reason}"))
-        out.append(ReleaseDest(transfer_id, x.req_id, "P acknowledged"))
-        return out
+        return out + self._release_if_settled(transfer_id, x)
+
+    def _release_if_settled(self, transfer_id: str, x: _Expect) -> list[RecvAction]:
+        if not (x.rejected and x.settled()):
+            return []
+        del self._live[transfer_id]
+        self._ended.add(transfer_id, _Ended("rejected", True, self._now))
+        return [ReleaseDest(transfer_id, x.req_id, "P acknowledged")]
 
     def abort(self, transfer_id: str, now: float) -> list[RecvAction]:
         """D's request was cancelled: quarantine its blocks (no RecvFailed: nobody waits)."""

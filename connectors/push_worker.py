@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvferry.connectors import messages, timeline
@@ -30,6 +30,7 @@ from kvferry.connectors.push_match import (
     StartWrite,
 )
 from kvferry.connectors.scheduler import PushSend, RegisterTask, StepMeta
+from kvferry.connectors.tp_map import plan, readers, writers
 from kvferry.connectors.transport import Transfer
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class _DReq:
     port: int
     ready: bool = False
     registered_at: float = 0.0  # monotonic
+    p_ranks: list[int] = field(default_factory=list)  # P ranks we registered with
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Ready:
 
 @dataclass
 class _Write:
-    xfer: Transfer
+    xfers: list[Transfer]  # one per D rank written (several when D's TP size is smaller)
     deadline: float
     started: float
     ended_at: float  # wall clock of the prefill's end (0: unknown)
@@ -179,33 +181,80 @@ class PushEndpoint:
                         task.req_id, task.transfer_id)
             self.w.report(recvd={task.req_id}, bad_blocks=task.block_ids)
             return
-        self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port,
-                                          registered_at=now)
-        self._apply(self.receiver.expect(task.transfer_id, task.req_id, {self.w.rank}, now))
+        d = self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port,
+                                              registered_at=now)
         reg = messages.Register(
             transfer_id=task.transfer_id, engine_id=self.w.engine_id,
             host=self.w.cfg.side_channel_host, port=self.w.cfg.side_channel_port, rank=self.w.rank,
             block_ids=task.block_ids, block_size=layout.block_size, num_blocks=layout.num_blocks,
-            first_token=task.first_token, num_tokens=task.num_tokens, prompt_hash=task.prompt_hash)
+            first_token=task.first_token, num_tokens=task.num_tokens, prompt_hash=task.prompt_hash,
+            tp_size=self.w.tp_size)
         reg.sig = struct_sig(reg)
         try:
-            _, peer = self.w.peer_at(task.host, task.port)
-            self.w.transport.notify(peer, messages.encode(reg))
-        except Exception as e:  # P unreachable: it never saw us, so no WRITE can land
+            expect, d.p_ranks, idle = self._targets(task.host, task.port)
+        except Exception as e:  # P unreachable or an impossible split: no WRITE can land
+            expect, idle, failure = {self.w.rank}, [], e
+        else:
+            failure = None
+        self._apply(self.receiver.expect(task.transfer_id, task.req_id, expect, now))
+        sent: list[int] = []
+        try:
+            if failure is not None:
+                raise failure
+            for p in d.p_ranks:
+                _, peer = self.w.peer_at(task.host, task.port, rank=p)
+                self.w.transport.notify(peer, messages.encode(reg))
+                sent.append(p)
+        except Exception as e:
             log.warning("request %s: push registration with %s:%d failed (%s); recomputing",
                         task.req_id, task.host, task.port, e)
-            self.w.drop_peer(task.host, task.port)
-            self._apply(self.receiver.rejected(task.transfer_id, f"registration failed: {e}", now))
+            for p in set(d.p_ranks or [0]) - set(sent):
+                self.w.drop_peer(task.host, task.port, rank=p)
+            if not sent:  # P never saw us, so no WRITE can land
+                self._apply(self.receiver.rejected(task.transfer_id, f"registration failed: {e}",
+                                                   now))
+            else:  # some P ranks may write: wait them out, and ask them not to
+                d.p_ranks = sent
+                self._apply(self.receiver.failed(task.transfer_id, f"registration failed: {e}",
+                                                 now))
             return
+        for p in idle:  # a replica nobody reads: its blocks may go now
+            self._tell_rank(task.host, task.port, p, messages.Abort(task.transfer_id))
         timeline.mark(log, task.transfer_id, "registered")
         log.debug("push %s: registered %d blocks with %s:%d", task.transfer_id,
                   len(task.block_ids), task.host, task.port)
 
-    def _tell_p(self, d: _DReq, msg: messages.Message) -> None:
+    def _targets(self, host: str, port: int) -> tuple[set[int], list[int], list[int]]:
+        """(P ranks whose Wrote we wait for, P ranks we register with, P ranks we tell
+        to free at once). Same TP size: our own rank for all. Otherwise each P rank
+        hears from one D rank, the lowest it writes to (it writes to all of them: an
+        engine's ranks share block ids), and replicas nobody reads from ``p % d_tp``."""
+        w = self.w
+        p_tp = w.peer_tp(host, port)
+        if p_tp == w.tp_size:
+            return {w.rank}, [w.rank], []
+        if w.num_heads <= 0:
+            raise ValueError(f"prefill TP {p_tp} != ours {w.tp_size} and the model's KV heads "
+                             "are unknown")
+        lead, idle = [], []
+        for p in range(p_tp):
+            r = readers(w.num_heads, p_tp, w.tp_size, p)
+            if r and min(r) == w.rank:
+                lead.append(p)
+            elif not r and p % w.tp_size == w.rank:
+                idle.append(p)
+        return writers(w.num_heads, p_tp, w.tp_size, w.rank), lead, idle
+
+    def _tell_rank(self, host: str, port: int, rank: int, msg: messages.Message) -> None:
         try:
-            self.w.notify(self.w.peer_at(d.host, d.port)[1], msg)
+            self.w.notify(self.w.peer_at(host, port, rank=rank)[1], msg)
         except Exception as e:
-            log.debug("push: cannot reach P %s:%d: %s", d.host, d.port, e)
+            log.debug("push: cannot reach P %s:%d rank %d: %s", host, port, rank, e)
+
+    def _tell_p(self, d: _DReq, msg: messages.Message) -> None:
+        """Every P rank we registered with (none: another of our ranks did)."""
+        for p in d.p_ranks:
+            self._tell_rank(d.host, d.port, p, msg)
 
     def _apply(self, actions: list) -> None:
         for a in actions:
@@ -223,7 +272,7 @@ class PushEndpoint:
             elif isinstance(a, RecvFailed):
                 log.warning("push %s (request %s): %s; recomputing once no WRITE can land",
                             a.transfer_id, a.req_id, a.reason)
-                if d is not None and "rejected" not in a.reason:
+                if d is not None and ("rejected" not in a.reason or len(d.p_ranks) > 1):
                     self._tell_p(d, messages.Abort(a.transfer_id))
             elif isinstance(a, ReleaseDest):
                 self._d.pop(a.transfer_id, None)
@@ -248,7 +297,7 @@ class PushEndpoint:
                 log.info("push %s: rejecting D's registration: %s", a.transfer_id, a.reason)
                 reg = p.reg if p is not None else None
                 if reg is not None:
-                    self._notify_d(reg, messages.Rejected(a.transfer_id, a.reason))
+                    self._notify_d(reg, messages.Rejected(a.transfer_id, a.reason, self.w.rank))
         for tid in {a.transfer_id for a in actions}:
             self._forget_if_ended(tid)
 
@@ -257,11 +306,26 @@ class PushEndpoint:
         if not self.matcher.is_live(tid):
             self._p.pop(tid, None)
 
+    def _d_ranks(self, reg: messages.Register) -> list[int]:
+        """D ranks this P rank writes for ``reg``: the registering rank when the TP sizes
+        match, else every D rank taking some of our heads (tp_map.readers)."""
+        if reg.tp_size == self.w.tp_size:
+            return [reg.rank]
+        if self.w.num_heads <= 0:
+            raise ValueError(f"decode TP {reg.tp_size} != ours {self.w.tp_size} and the "
+                             "model's KV heads are unknown")
+        return sorted(readers(self.w.num_heads, self.w.tp_size, reg.tp_size, self.w.rank))
+
     def _notify_d(self, reg: messages.Register, msg: messages.Message) -> None:
         try:
-            self.w.notify(self.w.peer_at(reg.host, reg.port, reg.engine_id)[1], msg)
-        except Exception as e:
-            log.debug("push: cannot reach D %s: %s", reg.engine_id, e)
+            ranks = self._d_ranks(reg)
+        except ValueError:
+            ranks = [reg.rank]
+        for d in ranks:
+            try:
+                self.w.notify(self.w.peer_at(reg.host, reg.port, reg.engine_id, d)[1], msg)
+            except Exception as e:
+                log.debug("push: cannot reach D %s rank %d: %s", reg.engine_id, d, e)
 
     def _start_write(self, a: StartWrite, p: _PReq | None, now: float) -> None:
         reg = p.reg if p is not None else None
@@ -270,17 +334,29 @@ class PushEndpoint:
                 raise RuntimeError("registration vanished")
             if reg.prompt_hash != p.prompt_hash:
                 raise ValueError("D registered a different prompt")
-            _, peer = self.w.peer_at(reg.host, reg.port, reg.engine_id)
+            targets = self._d_ranks(reg)
             self.w.stage_out(a.src_block_ids)  # host staging: the WRITE reads our mirror
-            xfer = self.w.transport.start("WRITE", peer, a.src_block_ids, a.dest_block_ids[0],
-                                          messages.encode(messages.Wrote(a.transfer_id, self.w.rank)))
+            note = messages.encode(messages.Wrote(a.transfer_id, self.w.rank))
+            xfers: list[Transfer] = []
+            try:
+                for d in targets:  # one WRITE per D rank, its notification after its data
+                    _, peer = self.w.peer_at(reg.host, reg.port, reg.engine_id, d)
+                    seg = None if reg.tp_size == self.w.tp_size else (
+                        [s for s in plan(self.w.num_heads, self.w.tp_size, reg.tp_size, d)
+                         if s.p_rank == self.w.rank], True)
+                    xfers.append(self.w.transport.start("WRITE", peer, a.src_block_ids,
+                                                        a.dest_block_ids[0], note, seg=seg))
+            except Exception:
+                for x in xfers:  # aborted by NIXL on release; nothing was reported to D
+                    self.w.transport.release(x)
+                raise
         except Exception as e:
             log.warning("push %s: WRITE not started: %s", a.transfer_id, e)
             self._run(self.matcher.write_failed(a.transfer_id, str(e), now))
             return
         started = time.monotonic()
         timeline.mark(log, a.transfer_id, "write_start")
-        self._writes[a.transfer_id] = _Write(xfer, started + self.w.cfg.recv_timeout_s, started,
+        self._writes[a.transfer_id] = _Write(xfers, started + self.w.cfg.recv_timeout_s, started,
                                              p.ended_at)
 
     def on_message(self, msg: messages.Message, now: float) -> None:
@@ -297,7 +373,8 @@ class PushEndpoint:
             dest = Destination(msg.engine_id, "", (tuple(msg.block_ids),), msg.block_size,
                                msg.num_blocks, first_token=msg.first_token)
             if msg.block_size != self.matcher.block_size:
-                self._notify_d(msg, messages.Rejected(msg.transfer_id, "block sizes differ"))
+                self._notify_d(msg, messages.Rejected(msg.transfer_id, "block sizes differ",
+                                                      self.w.rank))
                 p.reg = None  # not served: P's own prefill of this id is freed at once
                 self._run(self.matcher.abort(msg.transfer_id, now))
                 self._forget_if_ended(msg.transfer_id)
@@ -309,14 +386,16 @@ class PushEndpoint:
         elif isinstance(msg, messages.Wrote):
             self._apply(self.receiver.notified(msg.transfer_id, msg.rank))
         elif isinstance(msg, messages.Rejected):
-            self._apply(self.receiver.rejected(msg.transfer_id, msg.reason, now))
+            self._apply(self.receiver.rejected(msg.transfer_id, msg.reason, now,
+                                               msg.rank if msg.rank >= 0 else None))
 
     # -- polling --------------------------------------------------------------------------
     def progress(self, now: float) -> None:
         if self._ready:
             self._release_ready(now)
         for tid, wr in list(self._writes.items()):
-            state = self.w.transport.poll(wr.xfer)
+            states = [self.w.transport.poll(x) for x in wr.xfers]
+            state = "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
             if state == "PROC" and now < wr.deadline:
                 continue
             del self._writes[tid]
@@ -324,11 +403,13 @@ class PushEndpoint:
                 timeline.mark(log, tid, "write_done")
                 after = (time.time() - wr.ended_at) * 1e3 if wr.ended_at else float("nan")
                 log.info("kvferry WRITE %s: %d B in %d descriptors, %.1f ms; done %.1f ms after "
-                         "the prefill ended", tid, wr.xfer.nbytes, wr.xfer.ndesc,
+                         "the prefill ended", tid, sum(x.nbytes for x in wr.xfers),
+                         sum(x.ndesc for x in wr.xfers),
                          (time.monotonic() - wr.started) * 1e3, after)
                 self._run(self.matcher.write_done(tid, now))
             else:
-                self.w.transport.release(wr.xfer)
+                for x in wr.xfers:
+                    self.w.transport.release(x)
                 self._run(self.matcher.write_failed(tid, "timed out" if state == "PROC" else "error",
                                                     now))
         if now - self._last_tick >= 0.05:

@@ -26,8 +26,11 @@ from kvferry.connectors.params import (
 )
 from kvferry.connectors.reuse import Decision, RemoteOffer, decide_reuse
 from kvferry.connectors.staged_saves import SaveTracker
+from kvferry.connectors.tp_map import plan
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+MAX_TP = 64  # bound on a peer's TP size (it sizes per-rank plans)
 
 
 @dataclass
@@ -80,6 +83,7 @@ class ReuseRead:
     host: str
     port: int
     deadline: float  # wall clock: abandon (and recompute) after this
+    tp_size: int = 1  # D's: another size than P's means reading head segments per D rank
 
 
 @dataclass
@@ -153,8 +157,10 @@ class TransferScheduler:
 
     def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int = 1,
                  leases: Any = None, reuse: ReuseSettings | None = None, clock: Any = time.time,
-                 stage_saves: bool = False, offer_ttl: float = 0.0, early_push: bool = False):
+                 stage_saves: bool = False, offer_ttl: float = 0.0, early_push: bool = False,
+                 num_kv_heads: int = 0):
         self.engine_id = engine_id
+        self.num_kv_heads = num_kv_heads  # the model's, over all ranks (0: unknown)
         self.host = host
         self.port = port
         self.block_size = block_size
@@ -239,7 +245,7 @@ class TransferScheduler:
         try:
             offer = parse_lease(params["reuse"])
             if offer.tp_size != self.tp_size:
-                raise InvalidParams(f"decode TP {offer.tp_size} != prefill TP {self.tp_size}")
+                self._check_split(offer.tp_size, self.tp_size, "decode", "prefill")
             if offer.block_size != self.block_size:
                 raise InvalidParams(f"decode block size {offer.block_size} != {self.block_size}")
         except InvalidParams as e:
@@ -266,7 +272,8 @@ class TransferScheduler:
             return
         self._meta.reuse.append(ReuseRead(
             req_id, local, list(dec.remote_block_ids), offer.engine_id, offer.instance,
-            offer.host, offer.port, self.clock() + self.reuse_settings.read_timeout_s))
+            offer.host, offer.port, self.clock() + self.reuse_settings.read_timeout_s,
+            offer.tp_size))
         self._reading[req_id] = (dec.tokens_to_read, set(local))
 
     # -- D side ------------------------------------------------------------------------
@@ -303,8 +310,19 @@ class TransferScheduler:
                 f"offer has {len(offer.remote_block_ids)} blocks for {len(prompt)} tokens"
             )
         if offer.remote_tp_size != self.tp_size:
-            raise InvalidParams(f"prefill TP {offer.remote_tp_size} != decode TP {self.tp_size}")
+            self._check_split(offer.remote_tp_size, self.tp_size, "prefill", "decode")
         return offer
+
+    def _check_split(self, src_tp: int, dst_tp: int, src: str, dst: str) -> None:
+        """Each rank here will read its heads from the peer ranks holding them
+        (tp_map.plan): refuse when the model's heads do not split over both sizes."""
+        if self.num_kv_heads <= 0 or src_tp > MAX_TP:
+            raise InvalidParams(f"{src} TP {src_tp} != {dst} TP {dst_tp} "
+                                "(KV heads unknown or TP too large)")
+        try:
+            plan(self.num_kv_heads, src_tp, dst_tp, 0)
+        except ValueError as e:
+            raise InvalidParams(f"{src} TP {src_tp} -> {dst} TP {dst_tp}: {e}") from None
 
     def _push_matched(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any],
                       num_computed: int) -> tuple[int, bool]:

@@ -9,7 +9,8 @@ waits for the notification of every P rank in `writers(d_rank)`. `copies` turns 
 segment into byte ranges inside one block, for any memory order of the block's dims
 (heads outermost as in HND: one range; tokens outside heads as in NHD, or layers and K/V
 outside heads in a cross-layer block: one range per outer index). Pure and exhaustively
-tested, down to the bytes; the transport does not use it yet (no per-rank registration).
+tested, down to the bytes. Pull and reuse READ by `plan` (`notified_by`: whom each D rank
+releases); push WRITEs by it from every P rank to its `readers`.
 """
 
 from __future__ import annotations
@@ -60,9 +61,37 @@ def plan(num_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[Segment]:
     return segs
 
 
+def by_rank(segs: list[Segment]) -> dict[int, list[Segment]]:
+    """Segments grouped by source rank (one transfer each), in first-seen order."""
+    out: dict[int, list[Segment]] = {}
+    for s in segs:
+        out.setdefault(s.p_rank, []).append(s)
+    return out
+
+
 def writers(num_heads: int, p_tp: int, d_tp: int, d_rank: int) -> set[int]:
     """P ranks whose WRITE completion D rank ``d_rank`` must see before decoding."""
     return {s.p_rank for s in plan(num_heads, p_tp, d_tp, d_rank)}
+
+
+def readers(num_heads: int, p_tp: int, d_tp: int, p_rank: int) -> set[int]:
+    """D ranks that take some of P rank ``p_rank``'s heads."""
+    return {d for d in range(d_tp) if p_rank in writers(num_heads, p_tp, d_tp, d)}
+
+
+def notified_by(num_heads: int, p_tp: int, d_tp: int, d_rank: int) -> dict[int, int]:
+    """Pull: P ranks D rank ``d_rank`` tells that it is done with a request's blocks,
+    each with how many such notices that P rank gets in all (it frees after the last).
+    A P rank no D rank reads (a replica) is told by D rank ``p_rank % d_tp``, so every
+    P rank learns when its blocks may go."""
+    out: dict[int, int] = {}
+    for p in range(p_tp):
+        r = readers(num_heads, p_tp, d_tp, p)
+        if d_rank in r:
+            out[p] = len(r)
+        elif not r and p % d_tp == d_rank:
+            out[p] = 1
+    return out
 
 
 @dataclass(frozen=True)

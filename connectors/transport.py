@@ -17,8 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvferry.connectors.layout import check_compatible, descriptors
+from kvferry.connectors.layout import (
+    check_compatible,
+    check_head_compatible,
+    descriptors,
+    head_descriptors,
+)
 from kvferry.connectors.memory import KVLayout
+from kvferry.connectors.tp_map import Segment
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -103,8 +109,12 @@ class Transport:
         return self.agent.get_agent_metadata()
 
     def add_peer(self, key: str, agent_metadata: bytes, layout: KVLayout) -> Peer:
-        """Add (or refresh) a remote agent; refuses layouts we cannot copy block-for-block."""
-        check_compatible(self.layout, layout)
+        """Add (or refresh) a remote agent; refuses layouts we cannot copy block-for-block
+        (same heads per rank) or head segment by head segment (different TP sizes)."""
+        if layout.num_heads == self.layout.num_heads:
+            check_compatible(self.layout, layout)
+        else:
+            check_head_compatible(self.layout, layout)
         if key in self._peers:
             self.drop_peer(key)
         name = self.agent.add_remote_agent(agent_metadata)
@@ -145,15 +155,24 @@ class Transport:
 
     # -- transfers -----------------------------------------------------------------------
     def start(self, op: str, peer: Peer, local_ids: Sequence[int], remote_ids: Sequence[int],
-              notif: bytes = b"", merge: bool = True, lanes: int = 1) -> Transfer:
-        """Post a READ (remote -> local) or WRITE (local -> remote) of whole blocks.
+              notif: bytes = b"", merge: bool = True, lanes: int = 1,
+              seg: tuple[Sequence[Segment], bool] | None = None) -> Transfer:
+        """Post a READ (remote -> local) or WRITE (local -> remote) of whole blocks, or,
+        with ``seg`` = (segments, local side is the source), of those segments of heads
+        of each block (peers of different TP sizes, tp_map.plan), in one transfer.
 
         ``lanes`` > 1 splits a READ's descriptors into that many concurrently posted
         requests (more copy engines / streams in flight); its notification then goes out
         once all lanes are done. WRITEs keep one request so the notification is ordered
         after the data by NIXL itself.
         """
-        loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids, merge)
+        if seg is None:
+            loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids, merge)
+        else:
+            parts = [head_descriptors(self.layout, peer.layout, local_ids, remote_ids, s, seg[1])
+                     for s in seg[0]]
+            loc = np.concatenate([p[0] for p in parts]).reshape(-1, 3)
+            rem = np.concatenate([p[1] for p in parts]).reshape(-1, 3)
         nbytes = int(loc[:, 1].sum()) if len(loc) else 0
         if not len(loc):  # nothing to move: still deliver the notification
             if notif:

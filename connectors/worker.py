@@ -34,6 +34,7 @@ from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
 from kvferry.connectors.memory import KVLayout
 from kvferry.connectors.push_worker import PushEndpoint, Ready
 from kvferry.connectors.scheduler import PushSend, RecvTask, ReuseRead, StepMeta
+from kvferry.connectors.tp_map import by_rank, notified_by, plan
 from kvferry.connectors.transport import Peer, Transfer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -59,18 +60,25 @@ class _Results:
 @dataclass
 class _Read:
     task: RecvTask | ReuseRead
-    xfer: Transfer
+    xfers: list[Transfer]  # one per P rank segment when P's TP size differs from ours
     deadline: float
     started: float
-    peer_key: str
+    peer_keys: list[str]
     strict: bool = False  # a READ that ends after its deadline counts as failed
+    notices: list[tuple[Peer, bytes]] = field(default_factory=list)  # sent once all are done
+
+    def state(self, transport: Transport) -> str:
+        states = [transport.poll(x) for x in self.xfers]
+        return "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
 
 
 class TransferWorker:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int, layout: KVLayout,
                  nixl_backends: list[str] | None = None, instance: str = "",
-                 staging: Staging | None = None):
+                 staging: Staging | None = None, tp_size: int = 1, num_heads: int = 0):
         self.cfg = cfg
+        self.tp_size = tp_size
+        self.num_heads = num_heads  # the model's KV heads (all ranks); 0: unknown
         self.staging = staging  # None: KV moves straight from/to the registered layout
         self.engine_id = engine_id
         self.rank = rank
@@ -79,7 +87,7 @@ class TransferWorker:
                                    name=f"kvferry-{engine_id}-r{rank}",
                                    progress_delay_us=cfg.nixl_progress_delay_us)
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
-            "engine_id": engine_id, "rank": rank, "instance": instance,
+            "engine_id": engine_id, "rank": rank, "tp_size": tp_size, "instance": instance,
             "metadata": self.transport.metadata(), "layout": layout.to_wire(),
         })
         self._inbox: queue.Queue[StepMeta | Ready] = queue.Queue()
@@ -92,8 +100,10 @@ class TransferWorker:
         self._reads: dict[str, _Read] = {}
         self._send_wait: dict[str, float] = {}
         self._early: dict[str, float] = {}
+        self._dones: dict[str, tuple[int, float]] = {}  # P: notices so far, until when kept
         self._addr_engine: dict[str, str] = {}
         self._instances: dict[str, str] = {}  # peer key -> the peer's boot id
+        self._tp: dict[str, int] = {}  # peer key -> the peer engine's TP size
         self.push = PushEndpoint(self)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-xfer-r{rank}", daemon=True)
         self._thread.start()
@@ -204,23 +214,28 @@ class TransferWorker:
             self.report(sent=set(meta.free))
         self.push.accept(meta, now)
 
-    def peer_at(self, host: str, port: int, engine_id: str | None = None) -> tuple[str, Peer]:
-        """(engine id, peer) for the same TP rank of the engine at host:port (cached).
+    def peer_at(self, host: str, port: int, engine_id: str | None = None,
+                rank: int | None = None) -> tuple[str, Peer]:
+        """(engine id, peer) for TP rank ``rank`` (default: ours) of the engine at
+        host:port (cached).
 
         ``engine_id`` (when the caller knows it) must match what the side channel says.
         """
-        key = f"{engine_id}/{self.rank}" if engine_id else f"{host}:{port}/{self.rank}"
+        rank = self.rank if rank is None else rank
+        key = f"{engine_id}/{rank}" if engine_id else f"{host}:{port}/{rank}"
         peer = self.transport.peer(key)
         if peer is not None:
             return engine_id or self._addr_engine[key], peer
-        info = fetch(host, port + self.rank, self.cfg.handshake_timeout_s)
+        info = fetch(host, port + rank, self.cfg.handshake_timeout_s)
         found = str(info.get("engine_id"))
         if engine_id and found != engine_id:
             raise HandshakeError(f"{host}:{port} is engine {found!r}, expected {engine_id!r}")
         # One NIXL remote agent per peer engine, whichever key found it first (push
         # registrations know an address, pull offers and reuse an engine id): loading its
         # metadata twice would invalidate the transfers in flight to it.
-        ekey, akey = f"{found}/{self.rank}", f"{host}:{port}/{self.rank}"
+        if int(info.get("rank", rank)) != rank:
+            raise HandshakeError(f"{host}:{port + rank} serves rank {info.get('rank')}, not {rank}")
+        ekey, akey = f"{found}/{rank}", f"{host}:{port}/{rank}"
         instance = str(info.get("instance", ""))
         if self.transport.peer(ekey) is None or self._instances.get(ekey) != instance:
             self.transport.add_peer(ekey, info["metadata"], KVLayout.from_wire(info["layout"]))
@@ -228,27 +243,34 @@ class TransferWorker:
         for k in (ekey, akey):
             self._addr_engine[k] = found
             self._instances[k] = instance
+            self._tp[k] = int(info.get("tp_size", 1))
         return found, peer
 
-    def drop_peer(self, host: str, port: int, engine_id: str | None = None) -> None:
-        self.transport.drop_peer(f"{engine_id}/{self.rank}" if engine_id else f"{host}:{port}/{self.rank}")
+    def peer_tp(self, host: str, port: int, engine_id: str | None = None) -> int:
+        """TP size of the engine at host:port (asked of its rank 0, which every engine has)."""
+        found, _ = self.peer_at(host, port, engine_id, 0)
+        return self._tp.get(f"{found}/0", 1)
+
+    def drop_peer(self, host: str, port: int, engine_id: str | None = None,
+                  rank: int | None = None) -> None:
+        rank = self.rank if rank is None else rank
+        self.transport.drop_peer(f"{engine_id}/{rank}" if engine_id else f"{host}:{port}/{rank}")
 
     def _peer(self, task: RecvTask) -> Peer:
         o = task.offer
         return self.peer_at(o.remote_host, o.remote_port, o.remote_engine_id)[1]
 
     def _start_read(self, task: RecvTask, now: float) -> None:
+        if task.offer.remote_tp_size != self.tp_size:
+            self._start_split_read(task, now)
+            return
         notif = messages.encode(messages.Done(task.offer.remote_request_id))
         try:
             peer = self._peer(task)
             if task.release_only:
                 self.transport.notify(peer, notif)
                 return
-            budget = self.cfg.recv_timeout_s
-            if task.offer.expiry:
-                budget = min(budget, task.offer.expiry - time.time())
-                if budget <= 0:
-                    raise ValueError("offer expired: P may have freed those blocks")
+            budget = self._read_budget(task)
             xfer = self.transport.start("READ", peer, task.local_block_ids,
                                         task.remote_block_ids, notif)
         except Exception as e:  # any failure of one request must end in a recompute, not a hang
@@ -265,60 +287,136 @@ class TransferWorker:
                 self._release(peer, notif)  # bad ids, good peer: let P free now
             self._fail(task)
             return
-        self._reads[task.req_id] = _Read(task, xfer, now + budget, now,
-                                         f"{task.offer.remote_engine_id}/{self.rank}",
+        self._reads[task.req_id] = _Read(task, [xfer], now + budget, now,
+                                         [f"{task.offer.remote_engine_id}/{self.rank}"],
                                          strict=bool(task.offer.expiry))
 
-    def _start_reuse(self, rr: ReuseRead, now: float) -> None:
-        """P: READ D's leased blocks; any failure means recompute, never a wrong answer."""
-        key = f"{rr.engine_id}/{self.rank}"
+    def _read_budget(self, task: RecvTask) -> float:
+        budget = self.cfg.recv_timeout_s
+        if task.offer.expiry:
+            budget = min(budget, task.offer.expiry - time.time())
+            if budget <= 0:
+                raise ValueError("offer expired: P may have freed those blocks")
+        return budget
+
+    def _start_split_read(self, task: RecvTask, now: float) -> None:
+        """P has another TP size: READ each head segment from the P rank that holds it
+        (tp_map.plan), then tell every P rank `notified_by` names that we are done."""
+        o = task.offer
+        keys = [f"{o.remote_engine_id}/{p}" for p in range(o.remote_tp_size)]
+        peers: dict[int, Peer] = {}
+        xfers: list[Transfer] = []
+        msgs: list[tuple[Peer, bytes]] = []
         try:
-            _, peer = self.peer_at(rr.host, rr.port, rr.engine_id)
-            if self._instances.get(key) != rr.instance:  # D restarted since we met it?
-                self.drop_peer(rr.host, rr.port, rr.engine_id)
-                _, peer = self.peer_at(rr.host, rr.port, rr.engine_id)
-                if self._instances.get(key) != rr.instance:
-                    raise HandshakeError("the lease belongs to an earlier run of that engine")
+            if self.num_heads <= 0:
+                raise ValueError(f"prefill TP {o.remote_tp_size} != ours {self.tp_size} and "
+                                 "the model's KV heads are unknown")
+            notices = notified_by(self.num_heads, o.remote_tp_size, self.tp_size, self.rank)
+            for p in notices:
+                peers[p] = self.peer_at(o.remote_host, o.remote_port, o.remote_engine_id, p)[1]
+            msgs = [(peers[p], messages.encode(messages.Done(o.remote_request_id, n)))
+                    for p, n in notices.items()]
+            if task.release_only:
+                for peer, m in msgs:
+                    self._release(peer, m)
+                return
+            budget = self._read_budget(task)
+            for p, segs in by_rank(plan(self.num_heads, o.remote_tp_size, self.tp_size,
+                                        self.rank)).items():
+                xfers.append(self.transport.start("READ", peers[p], task.local_block_ids,
+                                                  task.remote_block_ids, seg=(segs, False)))
+        except Exception as e:
+            for x in xfers:
+                self.transport.release(x)
+            if task.release_only:
+                log.warning("could not tell %s to free %s: %s", o.remote_engine_id,
+                            o.remote_request_id, e)
+                return
+            log.warning("request %s: split READ from %s (TP %d -> %d) failed (%s); recomputing",
+                        task.req_id, o.remote_engine_id, o.remote_tp_size, self.tp_size, e)
+            if not isinstance(e, ValueError | IndexError):
+                for key in keys:
+                    self.transport.drop_peer(key)
+            else:  # bad ids or an impossible split, good peers: let P free now
+                for peer, m in msgs:
+                    self._release(peer, m)
+            self._fail(task)
+            return
+        self._reads[task.req_id] = _Read(task, xfers, now + budget, now, keys,
+                                         strict=bool(o.expiry), notices=msgs)
+
+    def _start_reuse(self, rr: ReuseRead, now: float) -> None:
+        """P: READ D's leased blocks (from each D rank holding some of our heads when D
+        has another TP size); any failure means recompute, never a wrong answer."""
+        keys = [f"{rr.engine_id}/{r}" for r in range(rr.tp_size)]
+        xfers: list[Transfer] = []
+        try:
+            if rr.tp_size == self.tp_size:
+                pieces = [(self.rank, None)]
+            elif self.num_heads <= 0:
+                raise ValueError(f"decode TP {rr.tp_size} != ours {self.tp_size} and the "
+                                 "model's KV heads are unknown")
+            else:
+                pieces = [(r, (segs, False)) for r, segs in by_rank(
+                    plan(self.num_heads, rr.tp_size, self.tp_size, self.rank)).items()]
+            peers = {r: self._lease_peer(rr, r) for r in {r for r, _ in pieces}}
             budget = rr.deadline - time.time()
             if budget <= 0:
                 raise TimeoutError("lease read deadline already passed")
-            xfer = self.transport.start("READ", peer, rr.local_block_ids, rr.remote_block_ids)
+            for r, seg in pieces:
+                xfers.append(self.transport.start("READ", peers[r], rr.local_block_ids,
+                                                  rr.remote_block_ids, seg=seg))
         except Exception as e:
+            for x in xfers:
+                self.transport.release(x)
             log.warning("request %s: reuse READ from %s not started (%s); recomputing",
                         rr.req_id, rr.engine_id, e)
             if not isinstance(e, ValueError | IndexError | TimeoutError):
-                self.transport.drop_peer(key)
+                for key in keys:
+                    self.transport.drop_peer(key)
             self.report(recvd={rr.req_id}, bad_blocks=rr.local_block_ids)
             return
-        self._reads[rr.req_id] = _Read(rr, xfer, now + budget, now, key, strict=True)
+        self._reads[rr.req_id] = _Read(rr, xfers, now + budget, now, keys, strict=True)
+
+    def _lease_peer(self, rr: ReuseRead, rank: int) -> Peer:
+        """D's rank ``rank``, met afresh if D restarted since (its leases are gone then)."""
+        key = f"{rr.engine_id}/{rank}"
+        _, peer = self.peer_at(rr.host, rr.port, rr.engine_id, rank)
+        if self._instances.get(key) != rr.instance:
+            self.drop_peer(rr.host, rr.port, rr.engine_id, rank)
+            _, peer = self.peer_at(rr.host, rr.port, rr.engine_id, rank)
+            if self._instances.get(key) != rr.instance:
+                raise HandshakeError("the lease belongs to an earlier run of that engine")
+        return peer
 
     def _progress(self) -> None:
         now = time.monotonic()
         for req_id, rd in list(self._reads.items()):
-            state = self.transport.poll(rd.xfer)
+            state = rd.state(self.transport)
             if state == "PROC" and now < rd.deadline:
                 continue
             del self._reads[req_id]
             if state == "DONE" and not (rd.strict and now > rd.deadline):
                 log.info("kvferry %s %s: %d blocks, %d B in %d descriptors, %.1f ms",
                          "reuse READ" if isinstance(rd.task, ReuseRead) else "READ", req_id,
-                         len(rd.task.local_block_ids), rd.xfer.nbytes, rd.xfer.ndesc,
-                         (now - rd.started) * 1e3)
+                         len(rd.task.local_block_ids), sum(x.nbytes for x in rd.xfers),
+                         sum(x.ndesc for x in rd.xfers), (now - rd.started) * 1e3)
+                for peer, msg in rd.notices:
+                    self._release(peer, msg)
                 ok = self.stage_in(req_id, rd.task.local_block_ids)
                 self.report(recvd={req_id}, bad_blocks=() if ok else rd.task.local_block_ids)
             else:
                 log.warning("request %s: READ %s; recomputing", req_id,
                             "failed" if state == "ERR" else "timed out")
-                self.transport.release(rd.xfer)
-                self.transport.drop_peer(rd.peer_key)
+                for x in rd.xfers:
+                    self.transport.release(x)
+                for key in rd.peer_keys:
+                    self.transport.drop_peer(key)
                 self.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)
         for blob in self.transport.notifications():
             msg = messages.decode(blob)
             if isinstance(msg, messages.Done):
-                if self._send_wait.pop(msg.req_id, None) is not None:
-                    self.report(sent={msg.req_id})
-                else:
-                    self._early[msg.req_id] = now + self.cfg.send_timeout_s
+                self._on_done(msg, now)
             elif msg is not None:
                 self.push.on_message(msg, now)
             else:
@@ -333,6 +431,19 @@ class TransferWorker:
         for req_id, deadline in list(self._early.items()):
             if now >= deadline:
                 del self._early[req_id]
+        for req_id, (_, deadline) in list(self._dones.items()):
+            if now >= deadline:
+                del self._dones[req_id]
+
+    def _on_done(self, msg: messages.Done, now: float) -> None:
+        """P: a D rank is done with ``msg.req_id``'s blocks; they go after the last one."""
+        count = self._dones.pop(msg.req_id, (0, 0.0))[0] + 1
+        if count < msg.expect:
+            self._dones[msg.req_id] = (count, now + self.cfg.send_timeout_s)
+        elif self._send_wait.pop(msg.req_id, None) is not None:
+            self.report(sent={msg.req_id})
+        else:
+            self._early[msg.req_id] = now + self.cfg.send_timeout_s
 
     def notify(self, peer: Peer, msg: messages.Message) -> None:
         """Best effort: every protocol step has a timeout behind a lost message."""

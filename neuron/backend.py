@@ -92,7 +92,8 @@ class NeuronBackend(MemoryBackend):
         return self
 
     # -- MemoryBackend ----------------------------------------------------------------
-    def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int) -> KVLayout:
+    def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int,
+                 heads_dim: int | None = None) -> KVLayout:
         self.arrays = list(self._arrays(kv_caches, num_blocks))
         if not self.arrays:
             raise ValueError("no KV arrays to describe")
@@ -103,7 +104,7 @@ class NeuronBackend(MemoryBackend):
             if not dims:
                 raise ValueError(f"{a.name}: no dimension of size num_blocks={num_blocks} in {a.shape}")
             planes += planes_of_array(region_of[a.name], a.va, list(a.shape), list(a.strides),
-                                      a.itemsize, dims[0])
+                                      a.itemsize, dims[0], heads_dim)
         self.device_layout = KVLayout(tuple(regions), tuple(planes), num_blocks, block_size)
         self.efa_bdf = self._rails(self.device_layout)
         self.mode = self._resolve_mode()

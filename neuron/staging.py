@@ -116,9 +116,10 @@ class HostStaging:
         self.buffers = [PinnedBuffer(r.length) for r in device.regions]
         regions = tuple(Region(b.addr, r.length, 0, DRAM)
                         for b, r in zip(self.buffers, device.regions, strict=True))
-        # fmt carries over: a mirror must pair with a peer's device layout (mixed modes).
+        # fmt and heads carry over: a mirror must pair with a peer's device layout (mixed modes).
         planes = tuple(Plane(p.region, regions[p.region].addr + (p.base - device.regions[p.region].addr),
-                             p.stride, p.block_bytes, p.num_blocks, p.fmt) for p in device.planes)
+                             p.stride, p.block_bytes, p.num_blocks, p.fmt, p.heads)
+                       for p in device.planes)
         self.layout = KVLayout(regions, planes, device.num_blocks, device.block_size)
         self.stats = StagingStats()
         # The engine thread stages out (pull, P) while the transfer thread stages in/out

@@ -203,3 +203,94 @@ def test_peers_with_different_inner_order_are_incompatible():
     hnd = CpuBackend().describe({"l": torch.zeros(2, n, 2, 16, 8).transpose(2, 3)}, n, 16)
     with pytest.raises(LayoutMismatch):
         check_compatible(nhd, hnd)
+
+
+# -- head segments between peers of different TP sizes ----------------------------------
+
+
+def _rank_caches(g, tp, layout):
+    """One global KV (N, H, BS, 2*HD) -> each rank's cache for its heads, and heads dim."""
+    import torch
+
+    from kvferry.connectors.tp_map import heads_of
+
+    h = g.shape[1]
+    out = []
+    for r in range(tp):
+        part = g[:, list(heads_of(r, tp, h))]
+        if layout == "hnd":  # (N, heads, BS, 2*HD): vLLM's CPU attention
+            out.append(part.contiguous())
+        else:  # (2, N, BS, heads, HD): K/V planes, tokens outside heads
+            out.append(torch.stack(part.permute(0, 2, 1, 3).chunk(2, dim=3)).contiguous())
+    return out, (1 if layout == "hnd" else 3)
+
+
+def _move(loc, rem):
+    """Do a READ of the descriptors by hand: remote bytes -> local addresses."""
+    import ctypes
+
+    assert loc.shape == rem.shape and (loc[:, 1] == rem[:, 1]).all()
+    for (la, n, _), (ra, _, _) in zip(loc.tolist(), rem.tolist(), strict=True):
+        ctypes.memmove(la, ra, n)
+
+
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+@pytest.mark.parametrize("h,p_tp,d_tp", [(4, 2, 1), (4, 1, 2), (2, 4, 1), (8, 2, 4), (4, 4, 4)])
+def test_head_descriptors_rebuild_every_d_rank_from_p_ranks(layout, h, p_tp, d_tp):
+    import torch
+
+    from kvferry.connectors.layout import head_descriptors
+    from kvferry.connectors.memory import CpuBackend
+    from kvferry.connectors.tp_map import plan
+
+    n, bs = 10, 4
+    g = torch.randn(n, h, bs, 16, generator=torch.Generator().manual_seed(h * 10 + p_tp))
+    p_kv, hd = _rank_caches(g, p_tp, layout)
+    d_kv, _ = _rank_caches(torch.zeros_like(g), d_tp, layout)
+    p_lay = [CpuBackend().describe({"l": t}, n, bs, hd) for t in p_kv]
+    d_lay = [CpuBackend().describe({"l": t}, n, bs, hd) for t in d_kv]
+    src, dst = [1, 2, 3, 7, 6], [0, 1, 2, 4, 3]  # a run, then a descending pair
+    for d in range(d_tp):
+        for seg in plan(h, p_tp, d_tp, d):
+            loc, rem = head_descriptors(d_lay[d], p_lay[seg.p_rank], dst, src, seg, False)
+            _move(loc, rem)
+    want = torch.zeros_like(g)
+    want[dst] = g[src]
+    w_kv, _ = _rank_caches(want, d_tp, layout)
+    for d in range(d_tp):
+        assert torch.equal(d_kv[d], w_kv[d]), f"D rank {d}"
+
+
+def test_head_descriptors_merge_runs_when_heads_are_outermost():
+    import torch
+
+    from kvferry.connectors.layout import head_descriptors
+    from kvferry.connectors.memory import CpuBackend
+    from kvferry.connectors.tp_map import plan
+
+    n, bs = 8, 4
+    (p0,), hd = _rank_caches(torch.zeros(n, 4, bs, 16), 1, "hnd")
+    d_kv, _ = _rank_caches(torch.zeros(n, 4, bs, 16), 2, "hnd")
+    p_lay = CpuBackend().describe({"l": p0}, n, bs, hd)
+    d_lay = CpuBackend().describe({"l": d_kv[1]}, n, bs, hd)
+    (seg,) = plan(4, 1, 2, 1)
+    loc, _ = head_descriptors(d_lay, p_lay, [0, 1, 2], [3, 4, 5], seg, False)
+    assert len(loc) == 3  # D's half-blocks are whole blocks there: P's rows are not adjacent
+    loc, rem = head_descriptors(p_lay, d_lay, [3, 4, 5], [0, 1, 2], seg, True)
+    assert len(loc) == 3 and int(rem[:, 1].sum()) == 3 * d_lay.planes[0].block_bytes
+
+
+def test_heads_must_be_located_for_a_split_copy():
+    import torch
+
+    from kvferry.connectors.layout import LayoutMismatch, head_descriptors
+    from kvferry.connectors.memory import CpuBackend
+    from kvferry.connectors.tp_map import Segment
+
+    a = CpuBackend().describe({"l": torch.zeros(4, 2, 4, 16)}, 4, 4)  # heads dim not given
+    b = CpuBackend().describe({"l": torch.zeros(4, 1, 4, 16)}, 4, 4, 1)
+    with pytest.raises(LayoutMismatch, match="not located"):
+        head_descriptors(a, b, [0], [0], Segment(0, 0, 0, 1), False)
+    c = CpuBackend().describe({"l": torch.zeros(4, 1, 8, 16)}, 4, 8, 1)  # other block size
+    with pytest.raises(LayoutMismatch, match="outside the heads"):
+        head_descriptors(c, b, [0], [0], Segment(0, 0, 0, 1), False)

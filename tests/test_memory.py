@@ -219,3 +219,18 @@ def test_get_backend_unknown_name_lists_choices(name):
     with pytest.raises(ValueError, match="unknown hardware backend") as e:
         get_backend(name)
     assert all(b in str(e.value) for b in HARDWARE_BACKENDS)
+
+
+@pytest.mark.parametrize(("shape", "perm", "heads_dim", "want"), [
+    ((7, 3, 4, 16), None, 1, (1, 3, 4 * 16 * 4)),  # CPU attention: heads outermost
+    ((2, 7, 4, 3, 8), None, 3, (4, 3, 8 * 4)),  # NHD: tokens outside heads
+    ((2, 7, 4, 3, 8), (0, 1, 3, 2, 4), 3, (1, 3, 4 * 8 * 4)),  # HND stride order, NHD view
+])
+def test_describe_locates_the_heads_in_memory_order(shape, perm, heads_dim, want):
+    t = torch.zeros(shape)
+    if perm is not None:  # allocate in memory order ``perm``, hand out the logical view
+        t = torch.zeros([shape[i] for i in perm]).permute(*[perm.index(i) for i in range(len(perm))])
+    lay = CpuBackend().describe({"l": t}, 7, 4, heads_dim)
+    assert {p.heads for p in lay.planes} == {want} and lay.num_heads == 3
+    assert KVLayout.from_wire(lay.to_wire()) == lay
+    assert CpuBackend().describe({"l": t}, 7, 4).head_signature() is None

@@ -221,8 +221,18 @@ def test_d_rejects_offer_with_too_few_blocks():
     expect_rejected(D(), PROMPT, p_offer(blocks=[11, 12]), "2 blocks for 10 tokens")
 
 
-def test_d_rejects_tp_mismatch():
+def test_d_rejects_tp_mismatch_when_the_model_heads_are_unknown():
     expect_rejected(D(tp=2), PROMPT, p_offer(tp=1), "TP 1 != decode TP 2")
+
+
+def test_d_accepts_another_tp_size_whose_heads_split_and_rejects_one_that_does_not():
+    d = TransferScheduler("D0", "10.0.0.2", 5700, BS, 2, num_kv_heads=8)
+    assert d.matched_tokens("d1", PROMPT, p_offer(tp=4), 0) == (len(PROMPT), True)
+    d.after_alloc("d1", [1, 2, 3], len(PROMPT))
+    (task,) = d.take_meta().recv
+    assert task.offer.remote_tp_size == 4 and task.local_block_ids == [1, 2, 3]
+    d3 = TransferScheduler("D0", "10.0.0.2", 5700, BS, 2, num_kv_heads=8)
+    expect_rejected(d3, PROMPT, p_offer(tp=3), "8 KV heads do not split over TP 3")
 
 
 def test_d_rejects_offer_signed_by_another_deployment(monkeypatch):

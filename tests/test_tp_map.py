@@ -8,7 +8,16 @@ import itertools
 import numpy as np
 import pytest
 
-from kvferry.connectors.tp_map import HeadAxis, Segment, copies, heads_of, plan, writers
+from kvferry.connectors.tp_map import (
+    HeadAxis,
+    Segment,
+    copies,
+    heads_of,
+    notified_by,
+    plan,
+    readers,
+    writers,
+)
 
 TPS = range(1, 9)
 HEADS = (1, 2, 4, 8, 16)
@@ -120,3 +129,20 @@ def test_copies_merge_whole_blocks_and_refuse_mismatches():
         copies(a, HeadAxis(6, 8, 12), Segment(0, 0, 0, 1))
     with pytest.raises(ValueError):
         a.ranges(3, 2)
+
+
+@pytest.mark.parametrize("h,p_tp,d_tp", CASES)
+def test_every_p_rank_hears_from_exactly_the_d_ranks_it_expects(h, p_tp, d_tp):
+    """Pull release: each P rank gets as many notices as each notice says it will, at
+    least one (replicas nobody reads are told too), and only from D ranks that read it
+    or from the one D rank that covers an unread replica."""
+    heard: dict[int, list[tuple[int, int]]] = {p: [] for p in range(p_tp)}
+    for d in range(d_tp):
+        for p, expect in notified_by(h, p_tp, d_tp, d).items():
+            heard[p].append((d, expect))
+        assert writers(h, p_tp, d_tp, d) <= set(notified_by(h, p_tp, d_tp, d))
+    for p, got in heard.items():
+        assert got, f"P rank {p} never told"
+        assert {e for _, e in got} == {len(got)}
+        r = readers(h, p_tp, d_tp, p)
+        assert {d for d, _ in got} == (r or {p % d_tp})
