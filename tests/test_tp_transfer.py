@@ -122,6 +122,16 @@ def pull(p: Engine, d: Engine, req: str = "r") -> list[_Results]:
     return d.wait(req, "recvd")
 
 
+def assert_received(dst: Engine, g: torch.Tensor, layout: str) -> None:
+    """Every rank of ``dst`` holds its heads of g's P_BLOCKS in its D_BLOCKS, zeros
+    in every other block."""
+    want = torch.zeros_like(g)
+    want[D_BLOCKS] = g[P_BLOCKS]
+    _, cut = LAYOUTS[layout]
+    for r, kv in enumerate(dst.kv):
+        assert torch.equal(kv, cut(want, list(heads_of(r, len(dst.kv), g.shape[1])))), f"rank {r}"
+
+
 CASES = [(4, 2, 1), (4, 1, 2), (4, 4, 2), (4, 2, 4), (4, 4, 1), (2, 4, 1), (2, 1, 4),
          (8, 8, 2)]
 
@@ -134,13 +144,7 @@ def test_every_d_rank_gets_its_heads_and_every_p_rank_frees(engines, heads, p_tp
     d = engines("D", d_tp, heads, layout, None)
     got = pull(p, d)
     assert all(a.recvd == {"r"} and not a.bad_blocks for a in got), got
-    _, cut = LAYOUTS[layout]
-    src = g.clone()
-    src[D_BLOCKS] = g[P_BLOCKS]  # what D's blocks must hold; the others stay zero
-    untouched = [b for b in range(N) if b not in D_BLOCKS]
-    src[untouched] = 0
-    for r in range(d_tp):
-        assert torch.equal(d.kv[r], cut(src, list(heads_of(r, d_tp, heads)))), f"D rank {r}"
+    assert_received(d, g, layout)
     # Every P rank frees once every D rank reading it (or its release notice) said so.
     assert all(a.sent == {"r"} for a in p.wait("r", "sent")), p.acc
 
@@ -157,11 +161,7 @@ def test_reuse_read_takes_each_p_rank_heads_from_the_d_ranks_holding_them(
     p.submit(StepMeta(reuse=[rr]))
     got = p.wait("r", "recvd")
     assert all(a.recvd == {"r"} and not a.bad_blocks for a in got), got
-    want = torch.zeros_like(g)
-    want[D_BLOCKS] = g[P_BLOCKS]
-    _, cut = LAYOUTS["nhd"]
-    for r in range(p_tp):
-        assert torch.equal(p.kv[r], cut(want, list(heads_of(r, p_tp, heads)))), f"P rank {r}"
+    assert_received(p, g, "nhd")
 
 
 def test_two_requests_reuse_every_rank_handshake(engines):
@@ -272,11 +272,7 @@ def test_push_writes_every_d_rank_heads_from_every_p_rank(engines, heads, p_tp, 
         d.push_register(p, "d1", "t1")
     got = d.wait("d1", "recvd")
     assert all(a.recvd == {"d1"} and not a.bad_blocks for a in got), got
-    want = torch.zeros_like(g)
-    want[D_BLOCKS] = g[P_BLOCKS]
-    _, cut = LAYOUTS["nhd"]
-    for r in range(d_tp):
-        assert torch.equal(d.kv[r], cut(want, list(heads_of(r, d_tp, heads)))), f"D rank {r}"
+    assert_received(d, g, "nhd")
     # Every P rank frees: after its WRITEs, or at once when it holds an unread replica.
     assert all(a.sent == {"p1"} for a in p.wait("p1", "sent")), p.acc
     time.sleep(0.2)
