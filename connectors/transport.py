@@ -9,6 +9,7 @@ exactly one thread (the connector's transfer thread) owns a Transport.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import uuid
@@ -232,6 +233,11 @@ class Transport:
         return out
 
     def close(self) -> None:
+        """Forget peers, deregister, and drop the agent: its progress thread ends with it
+        (an engine restarting its worker, or tests making many, would otherwise keep one
+        thread per closed agent waking every ``progress_delay_us``)."""
+        if self.agent is None:
+            return
         for key in list(self._peers):
             self.drop_peer(key)
         if self._reg is not None:
@@ -240,3 +246,5 @@ class Transport:
             except Exception as e:
                 log.debug("deregister_memory: %s", e)
             self._reg = None
+        self.agent = None
+        gc.collect()  # the wrapper's handles may hold it in a cycle

@@ -140,6 +140,7 @@ def _up(
     engine_arg: list[str],
     ucx_tls: str | None,
     devices_per_engine: int,
+    decode_devices: int | None,
     startup_timeout: float,
     run_demo_after: bool,
     demo_max_tokens: int,
@@ -160,13 +161,19 @@ def _up(
     # P signs its offers, D verifies them: one secret per deployment (see connectors/params.py).
     secret = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
     specs: dict[str, EngineSpec] = {}
+    # TP per engine (devices, NeuronCores or CPU ranks); D may differ from P. Devices are
+    # numbered P first, then D.
+    tp = {"prefill": devices_per_engine, "decode": decode_devices or devices_per_engine}
+    devices = {"prefill": tuple(range(tp["prefill"])),
+               "decode": tuple(range(tp["prefill"], tp["prefill"] + tp["decode"]))}
     for role in ROLES:
         spec = specs[role] = EngineSpec(
             role=role, model=str(model_dir.resolve()), port=ports[role],
             backend=hardware_backend,  # type: ignore[arg-type]
             connector=connector,  # type: ignore[arg-type]
             mode=mode,  # type: ignore[arg-type]
-            max_model_len=max_model_len, devices_per_engine=devices_per_engine,
+            max_model_len=max_model_len, devices_per_engine=tp[role],
+            devices=None if hardware_backend == "cpu" else devices[role],
             ucx_tls=ucx_tls, extra_args=extra,
         )
         children.append(Child(role, engine_argv(spec), logs / f"{role}.log",
@@ -246,6 +253,9 @@ ModeOpt = Annotated[str, typer.Option(help="pull | push.")]
 EngineArgOpt = Annotated[list[str] | None, typer.Option(
     help="Extra engine args (shell-split, repeatable); args after `--` are passed too.")]
 UcxOpt = Annotated[str | None, typer.Option(help="Set UCX_TLS for the engines.")]
+DecodeDevicesOpt = Annotated[int | None, typer.Option(
+    help="TP size of the decode engine when it differs from the prefill's "
+         "(--devices-per-engine); KV moves by head segments between the two.")]
 
 
 @app.command(context_settings=EXTRA)
@@ -262,6 +272,7 @@ def up(
     engine_arg: EngineArgOpt = None,
     ucx_tls: UcxOpt = None,
     devices_per_engine: int = 1,
+    decode_devices: DecodeDevicesOpt = None,
     startup_timeout: float = 900.0,
     demo: Annotated[bool, typer.Option("--demo", help="Run the demo, then stop.")] = False,
     demo_max_tokens: int = 32,
@@ -270,7 +281,7 @@ def up(
     """Start 1 prefill + 1 decode vLLM engine and the router; Ctrl-C stops all."""
     raise typer.Exit(_up(ctx, hardware_backend, model_dir, prefill_port, decode_port,
                          router_port, connector, mode, max_model_len, engine_arg or [],
-                         ucx_tls, devices_per_engine, startup_timeout, demo,
+                         ucx_tls, devices_per_engine, decode_devices, startup_timeout, demo,
                          demo_max_tokens, dry_run))
 
 
@@ -288,13 +299,14 @@ def run(
     engine_arg: EngineArgOpt = None,
     ucx_tls: UcxOpt = None,
     devices_per_engine: int = 1,
+    decode_devices: DecodeDevicesOpt = None,
     startup_timeout: float = 900.0,
     demo_max_tokens: int = 32,
 ) -> None:
     """`up --demo`: start everything, run the demo, stop; exit code is the demo's."""
     raise typer.Exit(_up(ctx, hardware_backend, model_dir, prefill_port, decode_port,
                          router_port, connector, mode, max_model_len, engine_arg or [],
-                         ucx_tls, devices_per_engine, startup_timeout, True,
+                         ucx_tls, devices_per_engine, decode_devices, startup_timeout, True,
                          demo_max_tokens, False))
 
 

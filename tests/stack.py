@@ -83,6 +83,7 @@ class Engine:
     side_port: int
     control_port: int = 0
     engine_id: str = ""  # the id vLLM's own NixlConnector engines run under
+    tp: int = 1
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a Prometheus sample of this engine (0 if absent)."""
@@ -142,7 +143,8 @@ def start_engine(role: str, model: str, logs: Path, secret: str, connector: str 
                   f"http://127.0.0.1:{port}/health", env)
     child.start()
     STARTED.append(child)
-    return Engine(role, f"http://127.0.0.1:{port}", child, side, control, vllm_engine_id(spec))
+    return Engine(role, f"http://127.0.0.1:{port}", child, side, control, vllm_engine_id(spec),
+                  tp)
 
 
 def kvferry_router_settings(prefills: list[Engine], decodes: list[Engine], **kw: Any

@@ -127,6 +127,19 @@ def test_cpu_tp_engine_binds_each_rank_and_ports_leave_room_for_ranks() -> None:
     assert p.side_port + 15 < d.side_port < p.control_port
 
 
+def test_dry_run_with_another_decode_tp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P on two GPUs (TP 2), D on the third (TP 1): devices are numbered P first."""
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--hardware-backend", "cuda",
+                                "--devices-per-engine", "2", "--decode-devices", "1"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    p_cmd = lines[lines.index(next(x for x in lines if x.startswith("# prefill"))) + 1]
+    d_cmd = lines[lines.index(next(x for x in lines if x.startswith("# decode"))) + 1]
+    assert "CUDA_VISIBLE_DEVICES=0,1" in p_cmd and "--tensor-parallel-size 2" in p_cmd
+    assert "CUDA_VISIBLE_DEVICES=2" in d_cmd and "--tensor-parallel-size" not in d_cmd
+
+
 def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     r = runner.invoke(cli.app, ["--help"])

@@ -1,13 +1,15 @@
 """Engines of different TP sizes, end to end: a prefill engine with TP 2 (one KV head per
-rank, each rank on its own core) and a decode engine with TP 1, both real vLLM CPU engines
-with kvferry's connector, behind the router; pull, push and conversation reuse.
+rank, each rank on its own core) and a decode engine with TP 1, and the reverse; real vLLM
+CPU engines with kvferry's connector, behind the router; pull, push and conversation reuse.
 
-Pull: D's one rank READs head 0 from P's rank 0 and head 1 from P's rank 1 (tp_map.plan).
-Push: each P rank WRITEs its head into D's blocks; D waits for both. Reuse: each P rank
-READs its head of the lease back from D. A missing or misplaced head changes the first
-tokens' logprobs far beyond the tolerance.
-The reference is D serving the prompt alone (TP 1). P computes the KV with TP 2, whose
-all-reduce sums in another order than TP 1 does: bf16 KV values move by an ulp here and
+P TP 2 -> D TP 1. Pull: D's one rank READs head 0 from P's rank 0 and head 1 from P's
+rank 1 (tp_map.plan). Push: each P rank WRITEs its head into D's blocks; D waits for both.
+Reuse: each P rank READs its head of the lease back from D. P TP 1 -> D TP 2: each D rank
+READs its half of P's heads and P frees after both; P's one rank WRITEs to both D ranks
+after one registration; reuse READs from both D ranks. A missing or misplaced head
+changes the first tokens' logprobs far beyond the tolerance.
+The reference is D serving the prompt alone. P computes the KV with another TP size, whose
+all-reduce sums in another order than D's does: bf16 KV values move by an ulp here and
 there, and the first token's logprobs by up to 0.18 (seen) instead of colocated's 0.06,
 hence TP_TOL. Push and pull move the same bytes, so they agree to the bit (tol 0).
 """
@@ -38,18 +40,21 @@ TP_TOL = 0.3
 EXTRA = {"recv_timeout_s": 30, "handshake_timeout_s": 10, "send_timeout_s": 60}
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["p2-d1", "p1-d2"])
+def stack(request, tmp_path_factory):
+    """(P, D, router, model); a TP-2 engine runs one rank per core, its peer on one."""
     from kvferry.scripts.modelgen import write_model
 
     model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
     logs = tmp_path_factory.mktemp("logs")
     secret = secrets.token_hex(16)
+    p_tp, d_tp = request.param
+    binds = {1: "1", 2: "0|1"}
     with ExitStack() as es:
-        p = start_engine("prefill", model, logs, secret, extra=EXTRA, tp=2, bind="0|1",
+        p = start_engine("prefill", model, logs, secret, extra=EXTRA, tp=p_tp, bind=binds[p_tp],
                          engine_args=("--no-enable-prefix-caching",))  # reuse reads D's KV
         # No prefix cache on D: its colocated reference must not reuse transferred KV.
-        d = start_engine("decode", model, logs, secret, extra=EXTRA, bind="1",
+        d = start_engine("decode", model, logs, secret, extra=EXTRA, tp=d_tp, bind=binds[d_tp],
                          engine_args=("--no-enable-prefix-caching",))
         children = [p.child, d.child]
         es.callback(stop_all, children)
@@ -83,7 +88,7 @@ def routed(router: str, model: str, toks: list[int], mode: str, cid: str | None 
 
 
 @pytest.mark.parametrize("n", [100, 700])
-def test_push_from_both_prefill_ranks(stack, n):
+def test_push_from_every_prefill_rank(stack, n):
     p, d, router, model = stack
     toks = prompt(n, 90 + n)
     want = complete(d.url, model, toks)
@@ -92,11 +97,11 @@ def test_push_from_both_prefill_ranks(stack, n):
     got, _ = routed(router, model, toks, "push")
     assert_same_output(got, pulled, tol=0)  # the same bytes as pull's READs
     assert_same_output(got, want, tol=TP_TOL)
-    assert p.log_count("kvferry WRITE ") == writes + 2, "one WRITE per P rank"
+    assert p.log_count("kvferry WRITE ") == writes + p.tp, "one WRITE per P rank"
     assert d.log_count("recomputing") == failed
 
 
-def test_conversation_reuse_reads_decode_kv_into_both_prefill_ranks(stack):
+def test_conversation_reuse_reads_decode_kv_into_every_prefill_rank(stack):
     p, d, router, model = stack
     first = prompt(300, 77)
     r1, _ = routed(router, model, first, "pull", cid="tp-conv")
@@ -104,7 +109,7 @@ def test_conversation_reuse_reads_decode_kv_into_both_prefill_ranks(stack):
     reads = p.log_count(r"kvferry reuse READ ")
     r2, headers = routed(router, model, toks, "pull", cid="tp-conv")
     assert int(headers.get("x-kvferry-reused-tokens", 0)) >= 128  # D's full blocks
-    assert p.log_count(r"kvferry reuse READ ") == reads + 2, "each P rank read its head"
+    assert p.log_count(r"kvferry reuse READ ") == reads + p.tp, "each P rank read its heads"
     assert_same_output(r2, complete(d.url, model, toks), tol=TP_TOL)
 
 
@@ -112,8 +117,8 @@ def test_every_prefill_rank_was_read_and_freed(stack):
     p, d, router, model = stack
     log = d.log()
     assert "split READ" not in log, "a split READ failed and D recomputed"
-    assert d.log_count(r"kvferry READ ") >= 3
-    assert "KV heads at dim 1 (2 here)" in log
-    assert p.log().count("KV heads at dim 1 (1 here)") == 2  # both P ranks located theirs
+    assert d.log_count(r"kvferry READ ") >= 3 * d.tp  # one per D rank and request
+    for e in (p, d):  # every rank located its share of the tiny model's 2 KV heads
+        assert e.log().count(f"KV heads at dim 1 ({2 // e.tp} here)") == e.tp
     assert p.kv_usage() == 0.0  # every rank heard D's notice: P's blocks are free
     assert "Traceback" not in log and "Traceback" not in p.log()
