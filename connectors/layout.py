@@ -112,32 +112,36 @@ def head_descriptors(
     """Like `descriptors`, for one segment of heads between peers of different TP sizes
     (tp_map.plan, whose "P" side is the source: the side whose heads are copied; in a
     pull or reuse READ the remote one, in a push WRITE the local one): in every block
-    pair, the byte ranges `tp_map.copies` gives. Adjacent
-    ranges that continue on both sides are merged (whole blocks of equal heads, as in
-    `descriptors`, and runs of blocks when a segment is a block's heads outermost)."""
+    pair, the byte ranges `tp_map.copies` gives. Adjacent ranges that continue on both
+    sides are merged (whole blocks of equal heads, as in `descriptors`, and runs of
+    blocks when a segment is a block's heads outermost). Vectorized: a 16k-token prompt
+    in cross-layer NHD blocks is ~900k ranges (2.7 s as a Python loop)."""
     check_head_compatible(local, remote)
     _check_ids(local, local_ids, "local")
     _check_ids(remote, remote_ids, "remote")
     if len(local_ids) != len(remote_ids):
         raise ValueError(f"{len(local_ids)} local blocks vs {len(remote_ids)} remote blocks")
-    loc: list[list[int]] = []
-    rem: list[list[int]] = []
+    lb = np.asarray(local_ids, dtype=np.int64)
+    rb = np.asarray(remote_ids, dtype=np.int64)
+    cols: list[tuple[np.ndarray, ...]] = []  # (local addr, remote addr, len, ldev, rdev)
     for lp, rp in zip(local.planes, remote.planes, strict=True):
         la, ra = HeadAxis(*lp.heads), HeadAxis(*rp.heads)
         pa, da = (la, ra) if local_is_source else (ra, la)
-        pieces = [(p, d, n) if local_is_source else (d, p, n) for p, d, n in copies(pa, da, seg)]
-        ldev = local.regions[lp.region].device_id
-        rdev = remote.regions[rp.region].device_id
-        for lb, rb in zip(local_ids, remote_ids, strict=True):
-            la0, ra0 = lp.block_addr(lb), rp.block_addr(rb)
-            for lo, ro, n in pieces:
-                last_l, last_r = (loc[-1], rem[-1]) if loc else (None, None)
-                if (last_l is not None and last_l[0] + last_l[1] == la0 + lo and last_l[2] == ldev
-                        and last_r[0] + last_r[1] == ra0 + ro and last_r[2] == rdev):
-                    last_l[1] += n
-                    last_r[1] += n
-                else:
-                    loc.append([la0 + lo, n, ldev])
-                    rem.append([ra0 + ro, n, rdev])
-    return (np.array(loc, dtype=np.uint64).reshape(-1, 3),
-            np.array(rem, dtype=np.uint64).reshape(-1, 3))
+        pieces = np.array([(p, d, n) if local_is_source else (d, p, n)
+                           for p, d, n in copies(pa, da, seg)], dtype=np.int64).reshape(-1, 3)
+        # every block pair x every piece, block-major: addresses as (blocks, pieces)
+        lo = ((lp.base + lb * lp.stride)[:, None] + pieces[None, :, 0]).ravel()
+        ro = ((rp.base + rb * rp.stride)[:, None] + pieces[None, :, 1]).ravel()
+        n = np.broadcast_to(pieces[None, :, 2], (len(lb), len(pieces))).ravel()
+        cols.append((lo, ro, n, np.full(lo.shape, local.regions[lp.region].device_id),
+                     np.full(lo.shape, remote.regions[rp.region].device_id)))
+    if not cols or not len(cols[0][0]):
+        return np.zeros((0, 3), dtype=np.uint64), np.zeros((0, 3), dtype=np.uint64)
+    lo, ro, n, ld, rd = (np.concatenate(c) for c in zip(*cols, strict=True))
+    # A range starts a new descriptor unless it continues the previous one on both sides.
+    cont = ((lo[1:] == lo[:-1] + n[:-1]) & (ro[1:] == ro[:-1] + n[:-1])
+            & (ld[1:] == ld[:-1]) & (rd[1:] == rd[:-1]))
+    first = np.flatnonzero(np.concatenate(([True], ~cont)))
+    size = np.add.reduceat(n, first)
+    return (np.stack([lo[first], size, ld[first]], axis=1).astype(np.uint64),
+            np.stack([ro[first], size, rd[first]], axis=1).astype(np.uint64))
