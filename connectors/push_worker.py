@@ -394,8 +394,7 @@ class PushEndpoint:
         if self._ready:
             self._release_ready(now)
         for tid, wr in list(self._writes.items()):
-            states = [self.w.transport.poll(x) for x in wr.xfers]
-            state = "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
+            state = self.w.transport.poll_all(wr.xfers)
             if state == "PROC" and now < wr.deadline:
                 continue
             del self._writes[tid]

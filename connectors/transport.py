@@ -53,6 +53,11 @@ class Transfer:
 _AGENT_LOCK = threading.Lock()
 
 
+def combined(states: Sequence[str]) -> str:
+    """One state for several requests: ERR if any failed, PROC while any runs, else DONE."""
+    return "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
+
+
 def make_agent(name: str, backends: Sequence[str], progress_delay_us: int):
     """A NIXL agent whose progress thread waits up to ``progress_delay_us`` for events.
 
@@ -207,12 +212,16 @@ class Transport:
             except Exception as e:
                 log.warning("transfer to %s: %s", xfer.peer, e)
                 states.append("ERR")
-        xfer.state = "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
+        xfer.state = combined(states)
         if xfer.state != "PROC":
             self.release(xfer)
             if xfer.state == "DONE" and xfer.notif_after:
                 self.agent.send_notif(xfer.peer, xfer.notif_after)
         return xfer.state
+
+    def poll_all(self, xfers: Sequence[Transfer]) -> str:
+        """`poll` every transfer of one request (one per peer rank), combined."""
+        return combined([self.poll(x) for x in xfers])
 
     def release(self, xfer: Transfer) -> None:
         for h in xfer.handles:

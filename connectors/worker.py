@@ -67,10 +67,6 @@ class _Read:
     strict: bool = False  # a READ that ends after its deadline counts as failed
     notices: list[tuple[Peer, bytes]] = field(default_factory=list)  # sent once all are done
 
-    def state(self, transport: Transport) -> str:
-        states = [transport.poll(x) for x in self.xfers]
-        return "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
-
 
 class TransferWorker:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int, layout: KVLayout,
@@ -256,40 +252,72 @@ class TransferWorker:
         rank = self.rank if rank is None else rank
         self.transport.drop_peer(f"{engine_id}/{rank}" if engine_id else f"{host}:{port}/{rank}")
 
-    def _peer(self, task: RecvTask) -> Peer:
-        o = task.offer
-        return self.peer_at(o.remote_host, o.remote_port, o.remote_engine_id)[1]
+    def _read_plan(self, src_tp: int, src: str) -> list[tuple[int, Any]]:
+        """(source rank, ``seg`` for Transport.start) of every READ that fetches our heads:
+        the same rank, whole blocks, when the TP sizes match; else one READ per source
+        rank holding some of our heads, of those head segments (tp_map.plan)."""
+        if src_tp == self.tp_size:
+            return [(self.rank, None)]
+        if self.num_heads <= 0:
+            raise ValueError(f"{src} TP {src_tp} != ours {self.tp_size} and the model's KV "
+                             "heads are unknown")
+        return [(r, (segs, False)) for r, segs in
+                by_rank(plan(self.num_heads, src_tp, self.tp_size, self.rank)).items()]
+
+    def _release_plan(self, p_tp: int) -> dict[int, int]:
+        """Pull: P rank -> how many D ranks' notices it waits for, for the P ranks we tell
+        (tp_map.notified_by; just our own rank's peer when the TP sizes match)."""
+        if p_tp == self.tp_size:
+            return {self.rank: 1}
+        if self.num_heads <= 0:
+            raise ValueError(f"prefill TP {p_tp} != ours {self.tp_size} and the model's KV "
+                             "heads are unknown")
+        return notified_by(self.num_heads, p_tp, self.tp_size, self.rank)
 
     def _start_read(self, task: RecvTask, now: float) -> None:
-        if task.offer.remote_tp_size != self.tp_size:
-            self._start_split_read(task, now)
-            return
-        notif = messages.encode(messages.Done(task.offer.remote_request_id))
+        """D: READ our heads of the offered blocks (`_read_plan`), then tell every P rank
+        of `_release_plan` that we are done. A single READ from the only rank to tell
+        carries the notice itself (NIXL sends it after the data)."""
+        o = task.offer
+        keys = [f"{o.remote_engine_id}/{p}" for p in range(o.remote_tp_size)]
+        xfers: list[Transfer] = []
+        msgs: list[tuple[Peer, bytes]] = []
         try:
-            peer = self._peer(task)
+            notices = self._release_plan(o.remote_tp_size)
+            pieces = [] if task.release_only else self._read_plan(o.remote_tp_size, "prefill")
+            peers = {p: self.peer_at(o.remote_host, o.remote_port, o.remote_engine_id, p)[1]
+                     for p in {*notices, *(r for r, _ in pieces)}}
+            msgs = [(peers[p], messages.encode(messages.Done(o.remote_request_id, n)))
+                    for p, n in notices.items()]
             if task.release_only:
-                self.transport.notify(peer, notif)
+                for peer, m in msgs:
+                    self.transport.notify(peer, m)
                 return
             budget = self._read_budget(task)
-            xfer = self.transport.start("READ", peer, task.local_block_ids,
-                                        task.remote_block_ids, notif)
+            attach = len(pieces) == 1 and list(notices) == [pieces[0][0]]
+            for r, seg in pieces:
+                xfers.append(self.transport.start("READ", peers[r], task.local_block_ids,
+                                                  task.remote_block_ids,
+                                                  msgs[0][1] if attach else b"", seg=seg))
         except Exception as e:  # any failure of one request must end in a recompute, not a hang
+            for x in xfers:
+                self.transport.release(x)
             if task.release_only:
-                log.warning("could not tell %s to free %s: %s", task.offer.remote_engine_id,
-                            task.offer.remote_request_id, e)
+                log.warning("could not tell %s to free %s: %s", o.remote_engine_id,
+                            o.remote_request_id, e)
                 return
-            log.warning("request %s: READ from %s failed (%s); recomputing", task.req_id,
-                        task.offer.remote_engine_id, e)
-            peer_key = f"{task.offer.remote_engine_id}/{self.rank}"
+            log.warning("request %s: READ from %s (TP %d -> %d) failed (%s); recomputing",
+                        task.req_id, o.remote_engine_id, o.remote_tp_size, self.tp_size, e)
             if not isinstance(e, ValueError | IndexError):
-                self.transport.drop_peer(peer_key)  # re-handshake next time (P may restart)
-            elif (peer := self.transport.peer(peer_key)) is not None:
-                self._release(peer, notif)  # bad ids, good peer: let P free now
+                for key in keys:  # re-handshake next time (P may restart)
+                    self.transport.drop_peer(key)
+            else:  # bad ids or an impossible split, good peers: let P free now
+                for peer, m in msgs:
+                    self._release(peer, m)
             self._fail(task)
             return
-        self._reads[task.req_id] = _Read(task, [xfer], now + budget, now,
-                                         [f"{task.offer.remote_engine_id}/{self.rank}"],
-                                         strict=bool(task.offer.expiry))
+        self._reads[task.req_id] = _Read(task, xfers, now + budget, now, keys,
+                                         strict=bool(o.expiry), notices=[] if attach else msgs)
 
     def _read_budget(self, task: RecvTask) -> float:
         budget = self.cfg.recv_timeout_s
@@ -299,66 +327,13 @@ class TransferWorker:
                 raise ValueError("offer expired: P may have freed those blocks")
         return budget
 
-    def _start_split_read(self, task: RecvTask, now: float) -> None:
-        """P has another TP size: READ each head segment from the P rank that holds it
-        (tp_map.plan), then tell every P rank `notified_by` names that we are done."""
-        o = task.offer
-        keys = [f"{o.remote_engine_id}/{p}" for p in range(o.remote_tp_size)]
-        peers: dict[int, Peer] = {}
-        xfers: list[Transfer] = []
-        msgs: list[tuple[Peer, bytes]] = []
-        try:
-            if self.num_heads <= 0:
-                raise ValueError(f"prefill TP {o.remote_tp_size} != ours {self.tp_size} and "
-                                 "the model's KV heads are unknown")
-            notices = notified_by(self.num_heads, o.remote_tp_size, self.tp_size, self.rank)
-            for p in notices:
-                peers[p] = self.peer_at(o.remote_host, o.remote_port, o.remote_engine_id, p)[1]
-            msgs = [(peers[p], messages.encode(messages.Done(o.remote_request_id, n)))
-                    for p, n in notices.items()]
-            if task.release_only:
-                for peer, m in msgs:
-                    self._release(peer, m)
-                return
-            budget = self._read_budget(task)
-            for p, segs in by_rank(plan(self.num_heads, o.remote_tp_size, self.tp_size,
-                                        self.rank)).items():
-                xfers.append(self.transport.start("READ", peers[p], task.local_block_ids,
-                                                  task.remote_block_ids, seg=(segs, False)))
-        except Exception as e:
-            for x in xfers:
-                self.transport.release(x)
-            if task.release_only:
-                log.warning("could not tell %s to free %s: %s", o.remote_engine_id,
-                            o.remote_request_id, e)
-                return
-            log.warning("request %s: split READ from %s (TP %d -> %d) failed (%s); recomputing",
-                        task.req_id, o.remote_engine_id, o.remote_tp_size, self.tp_size, e)
-            if not isinstance(e, ValueError | IndexError):
-                for key in keys:
-                    self.transport.drop_peer(key)
-            else:  # bad ids or an impossible split, good peers: let P free now
-                for peer, m in msgs:
-                    self._release(peer, m)
-            self._fail(task)
-            return
-        self._reads[task.req_id] = _Read(task, xfers, now + budget, now, keys,
-                                         strict=bool(o.expiry), notices=msgs)
-
     def _start_reuse(self, rr: ReuseRead, now: float) -> None:
         """P: READ D's leased blocks (from each D rank holding some of our heads when D
         has another TP size); any failure means recompute, never a wrong answer."""
         keys = [f"{rr.engine_id}/{r}" for r in range(rr.tp_size)]
         xfers: list[Transfer] = []
         try:
-            if rr.tp_size == self.tp_size:
-                pieces = [(self.rank, None)]
-            elif self.num_heads <= 0:
-                raise ValueError(f"decode TP {rr.tp_size} != ours {self.tp_size} and the "
-                                 "model's KV heads are unknown")
-            else:
-                pieces = [(r, (segs, False)) for r, segs in by_rank(
-                    plan(self.num_heads, rr.tp_size, self.tp_size, self.rank)).items()]
+            pieces = self._read_plan(rr.tp_size, "decode")
             peers = {r: self._lease_peer(rr, r) for r in {r for r, _ in pieces}}
             budget = rr.deadline - time.time()
             if budget <= 0:
@@ -392,7 +367,7 @@ class TransferWorker:
     def _progress(self) -> None:
         now = time.monotonic()
         for req_id, rd in list(self._reads.items()):
-            state = rd.state(self.transport)
+            state = self.transport.poll_all(rd.xfers)
             if state == "PROC" and now < rd.deadline:
                 continue
             del self._reads[req_id]

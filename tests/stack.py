@@ -13,6 +13,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,22 @@ def start_engine(role: str, model: str, logs: Path, secret: str, connector: str 
     STARTED.append(child)
     return Engine(role, f"http://127.0.0.1:{port}", child, side, control, vllm_engine_id(spec),
                   tp)
+
+
+def warm_up(engines: list[Engine], model: str) -> None:
+    """An engine's first forward is slow (kernel set-up) and starves its side-channel
+    thread: warm every engine up before the transfers' handshakes depend on it."""
+    with ThreadPoolExecutor(len(engines)) as pool:
+        list(pool.map(lambda e: complete(e.url, model, prompt(200, 0), max_tokens=2), engines))
+
+
+def serve_kvferry_router(es: ExitStack, prefills: list[Engine], decodes: list[Engine],
+                         secret: str) -> str:
+    """The router over kvferry engines (generous leg timeouts for CPU CI), until ``es``
+    closes; its URL."""
+    settings = kvferry_router_settings(prefills, decodes, prefill_timeout_s=300,
+                                       decode_timeout_s=300)
+    return es.enter_context(serve(create_app(settings, secret.encode())))
 
 
 def kvferry_router_settings(prefills: list[Engine], decodes: list[Engine], **kw: Any

@@ -23,20 +23,19 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from helpers_http import serve
 from stack import (
     STARTUP_S,
     Engine,
     assert_same_output,
     complete,
-    kvferry_router_settings,
     prompt,
+    serve_kvferry_router,
     start_engine,
     wait_until,
+    warm_up,
 )
 from test_e2e_reuse import expected_reuse, out_tokens, reused_of
 
-from kvferry.router.app import create_app
 from kvferry.scripts.engines import available_cpus
 from kvferry.scripts.procs import stop_all, wait_healthy
 
@@ -96,14 +95,8 @@ def cluster(tmp_path_factory):
         ps = [start("prefill", c, no_cache) for c in p_cpus]
         ds = [start("decode", c) for c in d_cpus]
         wait_healthy(children, STARTUP_S)
-        # An engine's first forward is slow (kernel set-up) and starves its side-channel
-        # thread: warm every engine up before the transfers' handshakes depend on it.
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda e: complete(e.url, model, prompt(200, 0), max_tokens=2),
-                          ps + ds))
-        settings = kvferry_router_settings(ps, ds, prefill_timeout_s=300, decode_timeout_s=300)
-        router = stack.enter_context(serve(create_app(settings, secret.encode())))
-        yield Cluster(ps, ds, router, model)
+        warm_up(ps + ds, model)
+        yield Cluster(ps, ds, serve_kvferry_router(stack, ps, ds, secret), model)
 
 
 def send(cluster: Cluster, toks: list[int], mode: str, cid: str | None = None

@@ -144,6 +144,9 @@ def test_push_through_router(stack):
                        headers={"x-kvferry-mode": "push"})
         r.raise_for_status()
         assert_same_output(r.json(), want)
+        # D answers once P's Wrote arrived; P logs its WRITE when it next polls
+        wait_until(lambda w=writes_before: stack.prefill.log_count("kvferry WRITE ") > w, 10,
+                   "P's WRITE log")
         assert stack.prefill.log_count("kvferry WRITE ") == writes_before + 1
     wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITEs")
     assert stack.decode.kv_usage() == 0

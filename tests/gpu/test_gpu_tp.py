@@ -21,11 +21,16 @@ import subprocess
 from contextlib import ExitStack
 
 import pytest
-from helpers_http import serve
-from stack import STARTUP_S, assert_same_output, complete, kvferry_router_settings, start_engine
+from stack import (
+    STARTUP_S,
+    assert_same_output,
+    complete,
+    serve_kvferry_router,
+    start_engine,
+    wait_until,
+)
 from test_e2e_tp import TP_TOL, routed
 
-from kvferry.router.app import create_app
 from kvferry.scripts.modelgen import write_model
 from kvferry.scripts.procs import stop_all, wait_healthy
 
@@ -56,9 +61,7 @@ def stack(tmp_path_factory):
                          devices=(2,))
         es.callback(stop_all, [p.child, d.child])
         wait_healthy([p.child, d.child], STARTUP_S)
-        settings = kvferry_router_settings([p], [d], prefill_timeout_s=300, decode_timeout_s=300)
-        router = es.enter_context(serve(create_app(settings, secret.encode())))
-        yield p, d, router, model
+        yield p, d, serve_kvferry_router(es, [p], [d], secret), model
 
 
 @pytest.mark.parametrize("n", [1000, 4000])
@@ -71,6 +74,7 @@ def test_tp2_prefill_tp1_decode_pull_and_push(stack, n):
     pushed, _ = routed(router, model, toks, "push")
     assert_same_output(pulled, want, tol=TP_TOL)
     assert_same_output(pushed, pulled, tol=0)
+    wait_until(lambda: p.log_count("kvferry WRITE ") >= writes + 2, 10, "P's WRITE logs")
     assert p.log_count("kvferry WRITE ") == writes + 2
-    assert "split READ" not in d.log() and "recomputing" not in d.log()
+    assert "READ from" not in d.log() and "recomputing" not in d.log()
     assert "KV heads at dim" in d.log() and "(8 here)" in d.log()
