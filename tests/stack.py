@@ -34,9 +34,18 @@ STARTUP_S = float(os.environ.get("KVFERRY_TEST_STARTUP_S", "900"))
 STARTED: list[Child] = []
 
 
-def engine_log_tails(lines: int = 60) -> str:
-    """The last lines of every live engine's log, and every error line before them."""
-    out = []
+# Log lines that say nothing about a failure: route tables, access logs, throughput.
+_NOISE = re.compile(r"Route: |\"(GET|POST) /[^\"]*\" 200|loggers\.py|Started server process|"
+                    r"Waiting for application|Application startup|Found ulimit")
+_WORTH = re.compile(r"WARNING|ERROR|Traceback|Error:|timed out|kvferry (READ|WRITE)")
+
+
+def engine_log_tails(lines: int = 20, worth: int = 25) -> str:
+    """Per live engine: its warning/error/transfer lines, then the last few other lines.
+
+    Kept short (CI shows only part of a long report), warnings first for every engine
+    before any tail, so that what went wrong on each engine is visible."""
+    logs = []
     for child in STARTED:
         if not child.group_alive():
             continue
@@ -44,11 +53,16 @@ def engine_log_tails(lines: int = 60) -> str:
             text = child.log_path.read_text(errors="replace").splitlines()
         except OSError:
             continue
-        head = text[:-lines]
-        errors = [ln for ln in head if re.search(r"ERROR|Traceback|Error:|timed out", ln)]
-        out.append(f"==== {child.name} {child.log_path.name}: {len(errors)} earlier error lines, "
-                   f"then the last {lines} ====")
-        out.extend(errors[-40:] + ["...."] + text[-lines:])
+        logs.append((child, [ln for ln in text if not _NOISE.search(ln)]))
+    out = []
+    for child, text in logs:
+        hits = [ln for ln in text if _WORTH.search(ln)]
+        out.append(f"==== {child.name} {child.log_path.name}: {len(hits)} warning/error/"
+                   f"transfer lines, the last {worth} ====")
+        out.extend(ln[:300] for ln in hits[-worth:])
+    for child, text in logs:
+        out.append(f"==== {child.name} {child.log_path.name}: last {lines} lines ====")
+        out.extend(ln[:300] for ln in text[-lines:])
     return "\n".join(out)
 
 
