@@ -68,8 +68,10 @@ HDR_DECODE = "x-kvferry-decode"
 HDR_TRANSFER = "x-kvferry-transfer-id"
 HDR_PREFILL_MS = "x-kvferry-prefill-ms"
 HDR_REUSED = "x-kvferry-reused-tokens"
+HDR_REUSE_REASON = "x-kvferry-reuse-reason"
 BODY_PREFILL_MS = "kvferry_prefill_ms"
 BODY_REUSED = "kvferry_reused_tokens"
+BODY_REUSE_REASON = "kvferry_reuse_reason"
 REUSE_REPORT = ("reused_tokens", "reuse_reason")
 PROBE_TIMEOUT_S = 10.0
 
@@ -196,7 +198,7 @@ async def run_request(
     else:
         reused = _reuse_report(ctx, turn, kv_params)
         if reused is not None:
-            resp_headers[HDR_REUSED] = str(reused)
+            resp_headers[HDR_REUSED], resp_headers[HDR_REUSE_REASON] = str(reused[0]), reused[1]
     if turn is not None:
         kv_params = {**(kv_params or {}), **turn.lease_request(ctx.settings.lease_ttl_s)}
     d_body = bodies.decode_body(clean, kv_params)
@@ -205,16 +207,20 @@ async def run_request(
                          d, _commit_hooks(ctx, turn, d, DecodeHooks()))
 
 
-def _reuse_report(ctx: FlowContext, turn: Turn | None, kv_params: dict[str, Any]) -> int | None:
-    """Pop P's report on D->P reuse from its params; count it. Reused tokens, or None."""
+def _reuse_report(ctx: FlowContext, turn: Turn | None, kv_params: dict[str, Any]
+                  ) -> tuple[int, str] | None:
+    """Pop P's report on D->P reuse from its params; count it. (Reused tokens, why: "ok",
+    or e.g. "local_hit_covers" when P's own prefix cache already held the history), or
+    None when there was no history to reuse."""
     report = {k: kv_params.pop(k) for k in REUSE_REPORT if k in kv_params}
     if turn is None or turn.entry is None or not report:
         return None
     n = report.get("reused_tokens")
     n = n if isinstance(n, int) and n >= 0 else 0
-    ctx.metrics.reuse_turns.labels(reason=str(report.get("reuse_reason", "unknown"))).inc()
+    reason = str(report.get("reuse_reason", "unknown"))[:64]
+    ctx.metrics.reuse_turns.labels(reason=reason).inc()
     ctx.metrics.reused_tokens.inc(n)
-    return n
+    return n, reason
 
 
 def _commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: DecodeHooks
@@ -372,8 +378,8 @@ class PushPrefill:
     task: asyncio.Task[None] | None = None
     ms: float | None = None
     """P leg duration once P answered 200, else None."""
-    reused: int | None = None
-    """Tokens P read back from D (conversation reuse), once P answered."""
+    reused: tuple[int, str] | None = None
+    """(Tokens P read back from D, why) for conversation reuse, once P answered."""
 
     def cancel(self) -> None:
         """Abort P's request (closes its connection) unless it has finished."""
@@ -383,7 +389,7 @@ class PushPrefill:
     def json_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {} if self.ms is None else {BODY_PREFILL_MS: round(self.ms, 3)}
         if self.reused is not None:
-            out[BODY_REUSED] = self.reused
+            out[BODY_REUSED], out[BODY_REUSE_REASON] = self.reused
         return out
 
     def sse_event(self) -> bytes | None:

@@ -38,6 +38,20 @@ class TurnResult:
     prefill: str
     decode: str
     reused: int = 0  # history tokens P read back from D instead of recomputing
+    reuse_reason: str = ""  # why (not): "ok", "local_hit_covers", "below_threshold", ...
+
+    def reuse_note(self) -> str:
+        why = REUSE_WHY.get(self.reuse_reason, self.reuse_reason)
+        return f"{self.reused} history tokens reused" + (f" ({why})" if why else "")
+
+
+REUSE_WHY = {
+    "ok": "",
+    "local_hit_covers": "P's own prefix cache already held them",
+    "below_threshold": "too few new ones to beat recomputing",
+    "no_offer": "",
+}
+"""Plain words for the router's reuse reasons (x-kvferry-reuse-reason)."""
 
 
 def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnResult:
@@ -48,6 +62,7 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
     parts: list[str] = []
     chunks = 0
     done = False
+    extra: dict[str, Any] = {}  # push mode: the router's fields ride in an SSE event
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise DemoError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
@@ -61,6 +76,9 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
             event = json.loads(data)
             if "error" in event:
                 raise DemoError(f"stream error: {event['error']}")
+            extra.update({k: v for k, v in event.items() if k.startswith("kvferry_")})
+            if not event.get("choices"):
+                continue
             first_event = first_event or time.perf_counter()
             chunks += 1
             for choice in event.get("choices", []):
@@ -75,7 +93,10 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
     first = ttft or first_event or now
     return TurnResult("".join(parts), first - t0, now - t0, chunks,
                       headers.get("x-kvferry-prefill", "?"), headers.get("x-kvferry-decode", "?"),
-                      int(headers.get("x-kvferry-reused-tokens", "0") or 0))
+                      int(headers.get("x-kvferry-reused-tokens")
+                          or extra.get("kvferry_reused_tokens") or 0),
+                      str(headers.get("x-kvferry-reuse-reason")
+                          or extra.get("kvferry_reuse_reason") or ""))
 
 
 def printable(text: str, limit: int = 160) -> str:
@@ -110,7 +131,7 @@ def run_demo(
                 messages.append({"role": "assistant", "content": res.reply})
                 out(f"turn {i}: ttft {res.ttft_s * 1000:.0f} ms, total {res.total_s * 1000:.0f} ms,"
                     f" {res.chunks} chunks, {len(messages) - 1} messages,"
-                    f" {res.reused} history tokens reused (P {res.prefill}, D {res.decode})")
+                    f" {res.reuse_note()} (P {res.prefill}, D {res.decode})")
                 out(f"  user: {question}")
                 out(f"  assistant: {printable(res.reply)}")
             # End of conversation: D frees the leased blocks now, not at lease expiry.

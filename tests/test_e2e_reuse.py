@@ -105,6 +105,7 @@ def test_turns_reuse_decode_kv(stack):
         want = expected_reuse(pt, out_tokens(pr), nt)
         assert want >= 2 * BS
         assert reused_of(nh) == want, f"reused {reused_of(nh)} tokens, expected {want}"
+        assert nh["x-kvferry-reuse-reason"] == "ok"
         total += want
     # P's own accounting agrees: those tokens came from an external KV transfer.
     assert stack.prefill.transferred_tokens() - p_ext == total
@@ -149,6 +150,11 @@ def test_push_and_reuse_together(stack):
     wait_until(lambda: metric(stack.router, "kvferry_router_reused_tokens_total") - before == want,
                20, f"router to count {want} reused tokens")
     assert stack.prefill.log_count(r"kvferry WRITE ") >= 3
+    # Push: the reuse report rides in D's body when P answered first (P's leg runs in
+    # the background, so it may also come after D's answer).
+    for _, resp, _ in hist[1:]:
+        if "kvferry_reuse_reason" in resp:
+            assert resp["kvferry_reuse_reason"] == "ok" and resp["kvferry_reused_tokens"] > 0
 
 
 def test_streamed_turn_is_recorded(stack):
