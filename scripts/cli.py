@@ -191,7 +191,9 @@ def _up(
     elif mode == "push":  # vLLM's NixlPushConnector: D names P's engine before P answers
         router_argv += ["--prefill-kv", f"{p_spec.host}:{p_spec.side_port}",
                         "--prefill-engine-id", vllm_engine_id(p_spec)]
-    children.append(Child("router", router_argv, logs / "router.log", router_url + "/health"))
+    # The router signs lease-control requests to D with the same secret (reuse).
+    children.append(Child("router", router_argv, logs / "router.log", router_url + "/health",
+                          {"KVFERRY_SECRET": secret}))
 
     if dry_run:
         for c in children:

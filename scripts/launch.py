@@ -21,6 +21,8 @@ block size vllm-neuron uses (32) and the NeuronCore/LNC environment.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,9 +103,15 @@ class HostPlan:
             out.append(shlex.join(self.router))
         return out
 
-    def script(self, log_dir: str = "/tmp/kvferry") -> str:
-        """A bash script that starts this host's processes in the background."""
+    def script(self, secret: str, log_dir: str = "/tmp/kvferry") -> str:
+        """A bash script that starts this host's processes in the background.
+
+        ``secret`` (KVFERRY_SECRET) must be the same on every host: P signs its offers
+        with it, D verifies them, and the router signs lease requests to D with it."""
+        if not secret:
+            raise PlanError("KVFERRY_SECRET must not be empty")
         lines = ["#!/usr/bin/env bash", f"# kvferry launch plan for {self.host}", "set -euo pipefail",
+                 f"export KVFERRY_SECRET={shlex.quote(secret)}",
                  f"mkdir -p {shlex.quote(log_dir)}"]
         for e in self.engines:
             log = shlex.quote(f"{log_dir}/{e.name}.log")
@@ -345,6 +353,12 @@ def launch(
     except (PlanError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    # One secret for the whole deployment (KVFERRY_SECRET if set): every engine and the
+    # router need it, or D refuses P's offers and every request recomputes.
+    secret = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
+    if dry_run:
+        typer.echo("# on every host first (the same value everywhere):\n"
+                   f"export KVFERRY_SECRET={shlex.quote(secret)}")
     for p in plans:
         typer.echo(f"# ---- {p.host} ----")
         for c in p.commands():
@@ -353,6 +367,7 @@ def launch(
             d = out_dir or Path("kvferry-launch")
             d.mkdir(parents=True, exist_ok=True)
             path = d / f"{p.host}.sh"
-            path.write_text(p.script())
-            path.chmod(0o755)
+            path.touch(mode=0o700)
+            path.chmod(0o700)  # it carries the deployment's secret
+            path.write_text(p.script(secret))
             typer.echo(f"# start with: {p.ssh(str(path))}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -151,6 +152,10 @@ def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert r.exit_code == 0, r.output
     assert "--port 9100" in r.output and "--block-size 16 --foo" in r.output
     assert "--mode push" in r.output and "--prefill-kv 127.0.0.1:5600" in r.output
+    # P, D and the router share one secret (D checks P's offers, the router signs lease
+    # requests to D): a router without it saw every lease refused (bad_signature).
+    keys = re.findall(r"KVFERRY_SECRET=(\S+)", r.output)
+    assert len(keys) == 3 and len(set(keys)) == 1, keys
     r = runner.invoke(cli.app, ["up", "--dry-run", "--connector", "vllm-nixl"])
     assert r.exit_code == 0 and "--prefill-kv" not in r.output
     bad = runner.invoke(cli.app, ["up", "--dry-run", "--hardware-backend", "tpu"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -135,7 +136,8 @@ def test_commands_script_and_router_host(tmp_path: Path) -> None:
     cmd = shlex.split(e.command())
     assert cmd[0] == "env" and "NEURON_RT_VISIBLE_CORES=0-63" in cmd
     assert cmd[cmd.index("--kv-transfer-config") + 1] == e.argv[e.argv.index("--kv-transfer-config") + 1]
-    script = plans[2].script()
+    script = plans[2].script("s3cr3t")
+    assert "export KVFERRY_SECRET=s3cr3t\n" in script
     assert "http://t0:8100" in script and "curl -sf" in script and "kvferry router" in script
     assert plans[0].ssh("/tmp/t0.sh") == "ssh t0 bash -s < /tmp/t0.sh"
     hf = tmp_path / "hosts"
@@ -155,6 +157,7 @@ def test_cli_dry_run_and_scripts(tmp_path: Path) -> None:
                                  "--prefill", "1", "--decode", "1", "--tp", "32", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "NEURON_RT_VISIBLE_CORES=32-63" in r.output and "kvferry router" in r.output
+    assert re.search(r"^export KVFERRY_SECRET=[0-9a-f]{32}$", r.output, re.M)
     assert not (tmp_path / "out").exists()
     r = CliRunner().invoke(app, ["launch", "--model", "m", "-i", "p5en.48xlarge", "--hosts", "g0",
                                  "--tp", "8", "--out-dir", str(tmp_path / "out")])
@@ -162,5 +165,34 @@ def test_cli_dry_run_and_scripts(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["launch", "--model", "m", "-i", "p5en.48xlarge", "--hosts", "g0",
                                  "--tp", "4", "--out-dir", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
-    assert (tmp_path / "out" / "g0.sh").read_text().startswith("#!/usr/bin/env bash")
+    script = tmp_path / "out" / "g0.sh"
+    assert script.read_text().startswith("#!/usr/bin/env bash")
+    # Every host's script exports the same secret, readable by its owner only.
+    assert re.search(r"^export KVFERRY_SECRET=[0-9a-f]{32}$", script.read_text(), re.M)
+    assert script.stat().st_mode & 0o777 == 0o700
     assert "ssh g0 bash -s <" in r.output
+
+
+def test_every_host_script_carries_the_one_secret(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """P signs offers, D verifies them, the router signs lease requests: without one
+    shared KVFERRY_SECRET every pull would recompute; the user's own value wins."""
+    app = typer.Typer()
+    app.add_typer(launch_app, name="launch")
+
+    @app.command()
+    def version() -> None:
+        pass
+
+    monkeypatch.setenv("KVFERRY_SECRET", "team-secret-1")
+    r = CliRunner().invoke(app, ["launch", "--model", "m", "-i", "trn2.48xlarge",
+                                 "--hosts", "t0,t1", "--tp", "64", "--separate-roles",
+                                 "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    scripts = sorted(tmp_path.glob("*.sh"))
+    assert [p.name for p in scripts] == ["t0.sh", "t1.sh"]
+    for p in scripts:
+        assert "export KVFERRY_SECRET=team-secret-1\n" in p.read_text()
+    assert "team-secret-1" not in r.output  # written to the scripts, not echoed
+    with pytest.raises(PlanError):
+        plan(["t0"], "trn2.48xlarge", 1, 1, 32, "m")[0].script("")
