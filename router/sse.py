@@ -109,6 +109,7 @@ class UpstreamStream(Response):
         self._on_abort = on_abort
         self._filter = chunk_filter
         self._on_success = on_success
+        self._sent_all = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         clean = False
@@ -118,7 +119,9 @@ class UpstreamStream(Response):
                 async def watch_disconnect() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass
-                    log.info("client disconnected; closing %s stream from %s", self.leg, self.url)
+                    if not self._sent_all:  # the server reports one after every response
+                        log.info("client disconnected; closing %s stream from %s",
+                                 self.leg, self.url)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
@@ -164,5 +167,6 @@ class UpstreamStream(Response):
                 self._on_error(err)
             event = sse_error_event(err.message, err.status, err.err_type)
             await send({"type": "http.response.body", "body": event, "more_body": True})
+        self._sent_all = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return clean

@@ -114,7 +114,7 @@ def router(
 def demo(
     url: str = "http://127.0.0.1:8000",
     turns: Annotated[int, typer.Option(min=1, max=4)] = 4,
-    max_tokens: int = 32,
+    max_tokens: int = 160,
     timeout: float = 120.0,
 ) -> None:
     """Multi-turn streaming chat through the router; prints per-turn TTFT."""
@@ -277,7 +277,7 @@ def up(
     decode_devices: DecodeDevicesOpt = None,
     startup_timeout: float = 900.0,
     demo: Annotated[bool, typer.Option("--demo", help="Run the demo, then stop.")] = False,
-    demo_max_tokens: int = 32,
+    demo_max_tokens: int = 160,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print commands only.")] = False,
 ) -> None:
     """Start 1 prefill + 1 decode vLLM engine and the router; Ctrl-C stops all."""
@@ -303,7 +303,7 @@ def run(
     devices_per_engine: int = 1,
     decode_devices: DecodeDevicesOpt = None,
     startup_timeout: float = 900.0,
-    demo_max_tokens: int = 32,
+    demo_max_tokens: int = 160,
 ) -> None:
     """`up --demo`: start everything, run the demo, stop; exit code is the demo's."""
     raise typer.Exit(_up(ctx, hardware_backend, model_dir, prefill_port, decode_port,

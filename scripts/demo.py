@@ -108,7 +108,7 @@ def printable(text: str, limit: int = 160) -> str:
 def run_demo(
     url: str,
     turns: int = 4,
-    max_tokens: int = 32,
+    max_tokens: int = 160,
     timeout_s: float = 120.0,
     out: Callable[[str], None] = print,
 ) -> int:
