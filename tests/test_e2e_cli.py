@@ -1,0 +1,32 @@
+"""README's main job, end to end: `kvferry run` starts real vLLM CPU engines and the
+router, and its multi-turn demo must move KV both ways (P -> D READs, and D -> P history
+reads on later turns). It caught a router started without the deployment secret, whose
+lease requests D refused, so that no turn ever reused D's KV."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from helpers_http import free_port
+
+pytestmark = pytest.mark.engine
+
+
+def test_kvferry_run_moves_kv_both_ways(tmp_path):
+    ports = [str(free_port()) for _ in range(3)]
+    argv = [sys.executable, "-m", "kvferry.scripts.cli", "run", "--prefill-port", ports[0],
+            "--decode-port", ports[1], "--router-port", ports[2]]
+    r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "demo ok" in out and "all processes stopped" in out
+    reused = [int(n) for n in re.findall(r"(\d+) history tokens reused", out)]
+    assert len(reused) == 4 and reused[0] == 0, out[-3000:]
+    assert any(n > 0 for n in reused[1:]), out[-3000:]  # D -> P: history read back
+    logs = tmp_path / ".kvferry" / "logs"
+    assert re.search(r"kvferry READ ", (logs / "decode.log").read_text())  # P -> D
+    assert re.search(r"kvferry reuse READ ", (logs / "prefill.log").read_text())
+    assert "bad_signature" not in (logs / "router.log").read_text()
