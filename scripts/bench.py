@@ -284,6 +284,8 @@ def summary(line: dict[str, Any]) -> str:
          f"n={line['n']} err={line['errors']} ttft p50/p90={_fmt(line.get('ttft_ms_p50'))}/"
          f"{_fmt(line.get('ttft_ms_p90'))} ms tpot p50={_fmt(line.get('tpot_ms_p50'))} ms "
          f"handoff p50={_fmt(line.get('handoff_ms_p50'))} ms")
+    if "reused_tokens_mean" in line:
+        s += f" reused={_fmt(line['reused_tokens_mean'])} {line.get('reuse_reasons', {})}"
     if not line["sustainable"]:
         s += f"  UNSUSTAINABLE ({line.get('unsustainable_reason', '')})"
     return s

@@ -12,6 +12,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,8 @@ MIN_TOKEN_ID = 10
 HDR_PREFILL_MS = "x-kvferry-prefill-ms"
 """Router response header: duration of the P leg in ms (absent: handoff is not reported)."""
 BODY_PREFILL_MS = "kvferry_prefill_ms"
+HDR_REUSED, BODY_REUSED = "x-kvferry-reused-tokens", "kvferry_reused_tokens"
+HDR_REUSE_REASON, BODY_REUSE_REASON = "x-kvferry-reuse-reason", "kvferry_reuse_reason"
 """Same value as a top-level field of any SSE chunk (for push mode, where the response
 headers leave before P has finished); a header wins over the in-stream field."""
 
@@ -173,6 +176,8 @@ class Result:
     headers: dict[str, str] = field(default_factory=dict)
     prefill_ms: float | None = None
     cached_tokens: int | None = None
+    reused_tokens: int | None = None  # history P read back from D (conversation turns)
+    reuse_reason: str | None = None  # the router's word for why (not)
     error: str | None = None
     timed_out: bool = False
 
@@ -214,6 +219,7 @@ class Result:
             "end_ms": rel(self.end), "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms,
             "handoff_ms": self.handoff_ms, "prefill_ms": self.prefill_ms,
             "n_tokens": self.n_tokens, "cached_tokens": self.cached_tokens,
+            "reused_tokens": self.reused_tokens, "reuse_reason": self.reuse_reason,
             "status": self.status, "headers": self.headers, "error": self.error,
         }
 
@@ -250,6 +256,9 @@ class StreamState:
             return
         if isinstance(obj.get(BODY_PREFILL_MS), int | float) and self.res.prefill_ms is None:
             self.res.prefill_ms = float(obj[BODY_PREFILL_MS])
+        if isinstance(obj.get(BODY_REUSED), int) and self.res.reused_tokens is None:
+            self.res.reused_tokens = obj[BODY_REUSED]
+            self.res.reuse_reason = str(obj.get(BODY_REUSE_REASON, ""))[:64] or None
         carried = False
         for ch in obj.get("choices") or []:
             text = ch.get("text")
@@ -309,6 +318,10 @@ async def send_request(client: httpx.AsyncClient, target: Target, body: dict[str
                 if hdr is not None:
                     with contextlib.suppress(ValueError):
                         res.prefill_ms = float(hdr)
+                if (hdr := res.headers.get(HDR_REUSED)) is not None:
+                    with contextlib.suppress(ValueError):
+                        res.reused_tokens = int(hdr)
+                        res.reuse_reason = res.headers.get(HDR_REUSE_REASON)
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     res.error = f"HTTP {resp.status_code}: {text[:200]}"
@@ -353,6 +366,8 @@ def latency_fields(results: Sequence[Result]) -> dict[str, Any]:
     pre = [r.prefill_ms for r in ok if r.prefill_ms is not None]
     e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    reused = [r.reused_tokens for r in ok if r.reused_tokens is not None]
+    reasons = Counter(r.reuse_reason or "unknown" for r in ok if r.reused_tokens is not None)
     out: dict[str, Any] = {
         "n": len(ok),
         "errors": len(results) - len(ok),
@@ -366,6 +381,10 @@ def latency_fields(results: Sequence[Result]) -> dict[str, Any]:
         "prefill_ms_p50": _r(percentile(pre, 50)),
         "output_tokens_mean": _r(sum(r.n_tokens for r in ok) / len(ok), 2) if ok else None,
         "cached_tokens_mean": _r(sum(cached) / len(cached), 1) if cached else None,
+        # Conversation turns after the first: history P read from D instead of recomputing
+        # (over the requests the router reported it for), and why per request.
+        "reused_tokens_mean": _r(sum(reused) / len(reused), 1) if reused else None,
+        "reuse_reasons": dict(sorted(reasons.items())) or None,
         "send_lag_ms_max": _r(max((r.send_lag_ms for r in results), default=0.0)),
     }
     errs = sorted({r.error for r in results if r.error})

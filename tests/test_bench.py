@@ -33,6 +33,7 @@ from kvferry.scripts.bench_core import (
     Target,
     arrival_offsets,
     assess_sustainable,
+    latency_fields,
     parse_target,
     percentile,
 )
@@ -193,6 +194,27 @@ def test_stream_parser_tokens_usage_prefill_field_and_errors() -> None:
     st.feed('data: {"error": {"message": "decode died"}}', 1.0)
     st.finish(1.0)
     assert bad.error is not None and "decode died" in bad.error
+
+
+def test_reuse_report_from_push_event_and_point_fields() -> None:
+    """Push: the router's reuse report is a choice-less SSE event; a point reports the
+    mean reused tokens and the reasons over the requests that carried a report."""
+    pushed = Result(target="t", index=0, prompt_len=900)
+    st = StreamState(pushed)
+    st.feed('data: {"choices": [{"text": "a"}]}', 1.0)
+    st.feed('data: {"choices": [], "kvferry_prefill_ms": 5, "kvferry_reused_tokens": 256, '
+            '"kvferry_reuse_reason": "ok"}', 1.1)
+    st.feed("data: [DONE]", 1.2)
+    st.finish(1.2)
+    assert (pushed.reused_tokens, pushed.reuse_reason, st.chunks) == (256, "ok", 1)
+    covered = Result(target="t", index=1, prompt_len=900, first=1.0, reused_tokens=0,
+                     reuse_reason="local_hit_covers")
+    first_turn = Result(target="t", index=2, prompt_len=500, first=1.0)
+    out = latency_fields([pushed, covered, first_turn])
+    assert out["reused_tokens_mean"] == 128.0
+    assert out["reuse_reasons"] == {"local_hit_covers": 1, "ok": 1}
+    assert "reused_tokens_mean" not in latency_fields([first_turn])
+    assert pushed.record(0.0)["reused_tokens"] == 256
 
 
 # --- over real HTTP ----------------------------------------------------------------------
