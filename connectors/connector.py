@@ -18,6 +18,7 @@ from kvferry.connectors import compat, timeline
 from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory import get_backend
+from kvferry.connectors.params import SECRET_ENV, secret
 from kvferry.connectors.scheduler import ReuseSettings, StepMeta, TransferScheduler
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -62,6 +63,11 @@ class KvferryConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             tp = vllm_config.parallel_config.tensor_parallel_size
             cfg = self.cfg
+            if not secret():
+                log.warning("kvferry: %s is not set: this engine's offers and leases cannot "
+                            "be verified, so every request it decodes recomputes its prompt "
+                            "and no lease request is accepted; give every engine and the "
+                            "router the same value", SECRET_ENV)
             host_staging = self._host_staging_possible()
             if host_staging:
                 log.warning("kvferry: Neuron KV may be staged through host memory "

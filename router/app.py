@@ -55,7 +55,14 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     prefill = UpstreamPool("prefill", settings.prefill_urls, metrics.in_flight)
     decode = UpstreamPool("decode", settings.decode_urls, metrics.in_flight)
     holder: dict[str, FlowContext] = {}
-    conversations = Conversations(settings, metrics, secret() if secret_key is None else secret_key)
+    key = secret() if secret_key is None else secret_key
+    if settings.reuse_available and not key:
+        # D checks every lease request's signature: without the deployment's secret
+        # each one is refused and no conversation ever reuses D's KV.
+        log.warning("KVFERRY_SECRET is not set: decode engines will refuse this router's "
+                    "lease requests, so conversation reuse is off; set it to the value "
+                    "the engines run with")
+    conversations = Conversations(settings, metrics, key)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -126,3 +126,22 @@ def test_insert_before_done_across_chunk_boundaries() -> None:
     assert f.feed(stream) + f.flush() == stream
     f = InsertBeforeDone(lambda: b"X")  # no [DONE] at all (broken stream): nothing lost
     assert f.feed(b"data: x\n\nda") + f.flush() == b"data: x\n\nda"
+
+
+def test_router_without_the_secret_says_reuse_is_off(caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """D refuses lease requests not signed with the deployment secret (`kvferry up` once
+    started its router without it): a router that would ask D for leases says so."""
+    from kvferry.router.app import create_app
+
+    monkeypatch.delenv("KVFERRY_SECRET", raising=False)
+    s = RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"],
+                       decode_control_addrs=["127.0.0.1:5666"])
+    with caplog.at_level("WARNING", logger="kvferry.router.app"):
+        create_app(s)
+    assert "KVFERRY_SECRET is not set" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvferry.router.app"):
+        create_app(s, b"k")
+        create_app(RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"]))
+    assert "KVFERRY_SECRET" not in caplog.text  # a key, or no leases to ask for

@@ -205,3 +205,15 @@ def test_cpu_glue_is_unchanged():
     c.wait_for_save()
     assert getattr(CpuBackend(), "staging", None) is None
     c.shutdown()
+
+
+@pytest.mark.parametrize("value, warned", [("", True), ("s3cr3t", False)])
+def test_engine_without_the_secret_says_so(monkeypatch, caplog, value, warned):
+    """Without KVFERRY_SECRET D can verify no offer and no lease request: every request
+    would silently recompute, so the engine says it once at start."""
+    monkeypatch.setenv("KVFERRY_SECRET", value)
+    c = connector({})
+    try:
+        assert ("KVFERRY_SECRET is not set" in caplog.text) is warned
+    finally:
+        c.shutdown()
