@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -47,6 +48,13 @@ class RemotePrefill(msgspec.Struct, forbid_unknown_fields=False):
 
 def secret() -> bytes:
     return os.environ.get(SECRET_ENV, "").encode()
+
+
+def deployment_secret() -> str:
+    """What a launcher gives every engine and the router of one deployment: P signs its
+    offers with it, D checks them, and the router signs its lease requests to D.
+    $KVFERRY_SECRET when set, else a fresh random one."""
+    return os.environ.get(SECRET_ENV) or secrets.token_hex(16)
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:

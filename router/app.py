@@ -20,15 +20,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvferry.connectors.params import secret
+from kvferry.connectors.params import SECRET_ENV, secret
 
 from . import bodies
 from .conversations import Conversations, LeaseUnavailable
 from .errors import RouterError, error_body, from_status, from_transport
-from .flow import HDR_DECODE, FlowContext, forward_headers, run_request
+from .flow import FlowContext, forward_headers, run_request
 from .metrics import RouterMetrics
 from .settings import MODES, Mode, RouterSettings
 from .upstreams import UpstreamPool
+from .wire import HDR_DECODE
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,9 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     if settings.reuse_available and not key:
         # D checks every lease request's signature: without the deployment's secret
         # each one is refused and no conversation ever reuses D's KV.
-        log.warning("KVFERRY_SECRET is not set: decode engines will refuse this router's "
-                    "lease requests, so conversation reuse is off; set it to the value "
-                    "the engines run with")
+        log.warning("%s is not set: decode engines will refuse this router's lease "
+                    "requests, so conversation reuse is off; set it to the value the "
+                    "engines run with", SECRET_ENV)
     conversations = Conversations(settings, metrics, key)
 
     @asynccontextmanager

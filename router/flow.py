@@ -57,21 +57,23 @@ from .metrics import RouterMetrics
 from .settings import Mode, RouterSettings
 from .sse import ChunkFilter, InsertBeforeDone, UpstreamStream
 from .upstreams import Upstream, UpstreamPool
+from .wire import (
+    BODY_PREFILL_MS,
+    BODY_REUSE_REASON,
+    BODY_REUSED,
+    HDR_DECODE,
+    HDR_PREFILL,
+    HDR_PREFILL_MS,
+    HDR_REUSE_REASON,
+    HDR_REUSED,
+    HDR_TRANSFER,
+)
 
 log = logging.getLogger(__name__)
 
 FORWARD_HEADERS = ("authorization",)
 """Client headers passed to the engines (engines may run with --api-key)."""
 
-HDR_PREFILL = "x-kvferry-prefill"
-HDR_DECODE = "x-kvferry-decode"
-HDR_TRANSFER = "x-kvferry-transfer-id"
-HDR_PREFILL_MS = "x-kvferry-prefill-ms"
-HDR_REUSED = "x-kvferry-reused-tokens"
-HDR_REUSE_REASON = "x-kvferry-reuse-reason"
-BODY_PREFILL_MS = "kvferry_prefill_ms"
-BODY_REUSED = "kvferry_reused_tokens"
-BODY_REUSE_REASON = "kvferry_reuse_reason"
 REUSE_REPORT = ("reused_tokens", "reuse_reason")
 PROBE_TIMEOUT_S = 10.0
 

@@ -19,16 +19,11 @@ from typing import Any
 
 import httpx
 
+from kvferry.router.wire import BODY_PREFILL_MS, HDR_PREFILL_MS, reuse_report
+
 MIN_TOKEN_ID = 10
 """Prompt token ids are drawn from [MIN_TOKEN_ID, vocab): low ids are often special tokens."""
 
-HDR_PREFILL_MS = "x-kvferry-prefill-ms"
-"""Router response header: duration of the P leg in ms (absent: handoff is not reported)."""
-BODY_PREFILL_MS = "kvferry_prefill_ms"
-HDR_REUSED, BODY_REUSED = "x-kvferry-reused-tokens", "kvferry_reused_tokens"
-HDR_REUSE_REASON, BODY_REUSE_REASON = "x-kvferry-reuse-reason", "kvferry_reuse_reason"
-"""Same value as a top-level field of any SSE chunk (for push mode, where the response
-headers leave before P has finished); a header wins over the in-stream field."""
 
 SUSTAIN_MIN_RATIO = 0.8
 """Completion rate / offered rate below this: the stack falls behind (unsustainable)."""
@@ -256,9 +251,8 @@ class StreamState:
             return
         if isinstance(obj.get(BODY_PREFILL_MS), int | float) and self.res.prefill_ms is None:
             self.res.prefill_ms = float(obj[BODY_PREFILL_MS])
-        if isinstance(obj.get(BODY_REUSED), int) and self.res.reused_tokens is None:
-            self.res.reused_tokens = obj[BODY_REUSED]
-            self.res.reuse_reason = str(obj.get(BODY_REUSE_REASON, ""))[:64] or None
+        if self.res.reused_tokens is None and (rep := reuse_report({}, obj)) is not None:
+            self.res.reused_tokens, self.res.reuse_reason = rep
         carried = False
         for ch in obj.get("choices") or []:
             text = ch.get("text")
@@ -318,10 +312,8 @@ async def send_request(client: httpx.AsyncClient, target: Target, body: dict[str
                 if hdr is not None:
                     with contextlib.suppress(ValueError):
                         res.prefill_ms = float(hdr)
-                if (hdr := res.headers.get(HDR_REUSED)) is not None:
-                    with contextlib.suppress(ValueError):
-                        res.reused_tokens = int(hdr)
-                        res.reuse_reason = res.headers.get(HDR_REUSE_REASON)
+                if (rep := reuse_report(res.headers, {})) is not None:
+                    res.reused_tokens, res.reuse_reason = rep
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     res.error = f"HTTP {resp.status_code}: {text[:200]}"

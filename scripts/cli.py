@@ -8,8 +8,6 @@ conversation, stop everything (process groups, no orphans) and exit with the dem
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import shlex
 import signal
 import socket
@@ -20,6 +18,8 @@ from types import FrameType
 from typing import Annotated
 
 import typer
+
+from kvferry.connectors.params import SECRET_ENV, deployment_secret
 
 from .bench import bench
 from .demo import run_demo
@@ -158,8 +158,7 @@ def _up(
     ports = {"prefill": prefill_port, "decode": decode_port}
     logs = STATE_DIR / "logs"
     children: list[Child] = []
-    # P signs its offers, D verifies them: one secret per deployment (see connectors/params.py).
-    secret = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
+    secret = deployment_secret()
     specs: dict[str, EngineSpec] = {}
     # TP per engine (devices, NeuronCores or CPU ranks); D may differ from P. Devices are
     # numbered P first, then D.
@@ -178,7 +177,7 @@ def _up(
         )
         children.append(Child(role, engine_argv(spec), logs / f"{role}.log",
                               f"http://127.0.0.1:{ports[role]}/health",
-                              {**engine_env(spec), "KVFERRY_SECRET": secret}))
+                              {**engine_env(spec), SECRET_ENV: secret}))
     router_url = f"http://127.0.0.1:{router_port}"
     router_argv = [sys.executable, "-m", "kvferry.scripts.cli", "router",
                    "--prefill", f"http://127.0.0.1:{prefill_port}",
@@ -191,9 +190,8 @@ def _up(
     elif mode == "push":  # vLLM's NixlPushConnector: D names P's engine before P answers
         router_argv += ["--prefill-kv", f"{p_spec.host}:{p_spec.side_port}",
                         "--prefill-engine-id", vllm_engine_id(p_spec)]
-    # The router signs lease-control requests to D with the same secret (reuse).
     children.append(Child("router", router_argv, logs / "router.log", router_url + "/health",
-                          {"KVFERRY_SECRET": secret}))
+                          {SECRET_ENV: secret}))
 
     if dry_run:
         for c in children:

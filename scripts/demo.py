@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from kvferry.router.wire import HDR_DECODE, HDR_PREFILL, reuse_report
+
 TURNS = (
     "Hello! Can you explain what a cache is?",
     "Tell me a short story about a ferry that carries boxes across a wide river.",
@@ -51,7 +53,7 @@ REUSE_WHY = {
     "below_threshold": "too few new ones to beat recomputing",
     "no_offer": "",
 }
-"""Plain words for the router's reuse reasons (x-kvferry-reuse-reason)."""
+"""Plain words for the router's reuse reasons (wire.HDR_REUSE_REASON)."""
 
 
 def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnResult:
@@ -62,7 +64,7 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
     parts: list[str] = []
     chunks = 0
     done = False
-    extra: dict[str, Any] = {}  # push mode: the router's fields ride in an SSE event
+    fields: dict[str, Any] = {}  # push mode: the router's fields ride in an SSE event
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise DemoError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
@@ -76,7 +78,7 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
             event = json.loads(data)
             if "error" in event:
                 raise DemoError(f"stream error: {event['error']}")
-            extra.update({k: v for k, v in event.items() if k.startswith("kvferry_")})
+            fields.update({k: v for k, v in event.items() if k.startswith("kvferry_")})
             if not event.get("choices"):
                 continue
             first_event = first_event or time.perf_counter()
@@ -91,12 +93,9 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
         raise DemoError("stream ended without [DONE]" if chunks else "empty stream")
     now = time.perf_counter()
     first = ttft or first_event or now
+    reused, why = reuse_report(headers, fields) or (0, "")
     return TurnResult("".join(parts), first - t0, now - t0, chunks,
-                      headers.get("x-kvferry-prefill", "?"), headers.get("x-kvferry-decode", "?"),
-                      int(headers.get("x-kvferry-reused-tokens")
-                          or extra.get("kvferry_reused_tokens") or 0),
-                      str(headers.get("x-kvferry-reuse-reason")
-                          or extra.get("kvferry_reuse_reason") or ""))
+                      headers.get(HDR_PREFILL, "?"), headers.get(HDR_DECODE, "?"), reused, why)
 
 
 def printable(text: str, limit: int = 160) -> str:

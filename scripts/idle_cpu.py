@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from kvferry.connectors.params import SECRET_ENV
 from kvferry.scripts.bench import git_commit
 from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env
 from kvferry.scripts.modelgen import write_model
@@ -45,7 +46,7 @@ def _engine(role: str, model: str, logs: Path, secret: str, cpu: int, extra: dic
     spec = EngineSpec(role=role, model=model, port=port, side_channel_port=side,  # type: ignore[arg-type]
                       lease_control_port=_port(), cpus=(cpu,), connector_extra=extra)
     child = Child(role, engine_argv(spec), logs / f"{role}-{port}.log",
-                  f"http://127.0.0.1:{port}/health", {**engine_env(spec), "KVFERRY_SECRET": secret})
+                  f"http://127.0.0.1:{port}/health", {**engine_env(spec), SECRET_ENV: secret})
     child.start()
     return child, f"http://127.0.0.1:{port}", side
 

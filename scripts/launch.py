@@ -21,14 +21,14 @@ block size vllm-neuron uses (32) and the NeuronCore/LNC environment.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from kvferry.connectors.params import SECRET_ENV, deployment_secret
 
 from .engines import CUDA_KVFERRY_ENV
 
@@ -106,12 +106,11 @@ class HostPlan:
     def script(self, secret: str, log_dir: str = "/tmp/kvferry") -> str:
         """A bash script that starts this host's processes in the background.
 
-        ``secret`` (KVFERRY_SECRET) must be the same on every host: P signs its offers
-        with it, D verifies them, and the router signs lease requests to D with it."""
+        ``secret`` must be the same on every host (params.deployment_secret)."""
         if not secret:
-            raise PlanError("KVFERRY_SECRET must not be empty")
+            raise PlanError(f"{SECRET_ENV} must not be empty")
         lines = ["#!/usr/bin/env bash", f"# kvferry launch plan for {self.host}", "set -euo pipefail",
-                 f"export KVFERRY_SECRET={shlex.quote(secret)}",
+                 f"export {SECRET_ENV}={shlex.quote(secret)}",
                  f"mkdir -p {shlex.quote(log_dir)}"]
         for e in self.engines:
             log = shlex.quote(f"{log_dir}/{e.name}.log")
@@ -353,12 +352,10 @@ def launch(
     except (PlanError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    # One secret for the whole deployment (KVFERRY_SECRET if set): every engine and the
-    # router need it, or D refuses P's offers and every request recomputes.
-    secret = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
+    secret = deployment_secret()  # without it on every host, D refuses every offer
     if dry_run:
         typer.echo("# on every host first (the same value everywhere):\n"
-                   f"export KVFERRY_SECRET={shlex.quote(secret)}")
+                   f"export {SECRET_ENV}={shlex.quote(secret)}")
     for p in plans:
         typer.echo(f"# ---- {p.host} ----")
         for c in p.commands():

@@ -12,7 +12,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +66,16 @@ def engine_log_tails(lines: int = 20, worth: int = 25) -> str:
     return "\n".join(out)
 
 
+def settled(count: Callable[[], float], at_least: float, timeout: float = 10) -> float:
+    """``count()`` once it reached ``at_least``, else its value after ``timeout``: for log
+    lines written just after what the test waited for (P logs a WRITE when it next polls
+    it, after D may already have answered), so that an assertion on the count is exact."""
+    deadline = time.monotonic() + timeout
+    while (n := count()) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return n
+
+
 def prompt(n: int, seed: int, vocab: int = 1000) -> list[int]:
     """Deterministic random token ids (no tokenizer needed)."""
     rnd = random.Random(seed)
@@ -113,6 +123,11 @@ class Engine:
 
     def kv_usage(self) -> float:
         return self.metric("vllm:kv_cache_usage_perc")
+
+    def writes(self) -> int:
+        """kvferry WRITEs this prefill engine logged (each when P next polls it: possibly
+        just after D answered; see `settled`)."""
+        return self.log_count(r"kvferry WRITE ")
 
     def transferred_tokens(self) -> float:
         return self.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")

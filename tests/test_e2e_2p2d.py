@@ -15,7 +15,6 @@ without prefix caching so that conversation turns must READ their history from D
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import warnings
@@ -32,6 +31,7 @@ from stack import (
     complete,
     prompt,
     serve_kvferry_router,
+    settled,
     start_engine,
     wait_until,
     warm_up,
@@ -130,7 +130,7 @@ def _spread(cluster: Cluster, seed: int) -> tuple[int, int, list[str]]:
     toks = {n: prompt(n, seed + n) for n, _ in jobs}
     want = {n: cluster.colocated(t) for n, t in toks.items()}
     reads = total(cluster.decodes, Engine.reads)
-    writes = total(cluster.prefills, lambda e: e.log_count("kvferry WRITE "))
+    writes = total(cluster.prefills, Engine.writes)
     marks = [len(e.log().splitlines()) for e in cluster.engines]
     with ThreadPoolExecutor(len(jobs)) as pool:
         futs = {n: pool.submit(send, cluster, toks[n], mode) for n, mode in jobs}
@@ -141,18 +141,11 @@ def _spread(cluster: Cluster, seed: int) -> tuple[int, int, list[str]]:
     used_d = {h["x-kvferry-decode"] for _, h in got.values()}
     assert used_p == {p.url for p in cluster.prefills}, used_p
     assert used_d == {d.url for d in cluster.decodes}, used_d
-    # P logs a WRITE when it next polls it, after D may have answered: wait for the log.
-    moved = (int(total(cluster.decodes, Engine.reads) - reads),
-             int(total(cluster.prefills, lambda e: e.log_count("kvferry WRITE ")) - writes))
-    if moved[1] < 3:
-        with contextlib.suppress(AssertionError):
-            wait_until(lambda: total(cluster.prefills, lambda e: e.log_count("kvferry WRITE "))
-                       - writes >= 3, 10, "P's WRITE log lines")
-        moved = (moved[0], int(total(cluster.prefills,
-                                     lambda e: e.log_count("kvferry WRITE ")) - writes))
+    reads = int(total(cluster.decodes, Engine.reads) - reads)
+    writes = int(settled(lambda: total(cluster.prefills, Engine.writes), writes + 3) - writes)
     for e in cluster.engines:
         wait_until(lambda e=e: e.kv_usage() == 0, 150, f"{e.role} {e.url} to free its blocks")
-    return moved[0], moved[1], _warnings_since(cluster.engines, marks)
+    return reads, writes, _warnings_since(cluster.engines, marks)
 
 
 def test_requests_spread_over_both_pairs(cluster):

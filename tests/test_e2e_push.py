@@ -17,6 +17,7 @@ from stack import (
     complete,
     free_port,
     prompt,
+    settled,
     start_engine,
     tiny_stack,
     wait_until,
@@ -137,17 +138,14 @@ def test_push_through_router(stack):
     for n in (64, 1000):
         toks = prompt(n, 100 + n)
         want = complete(stack.prefill.url, stack.model, toks)
-        writes_before = stack.prefill.log_count("kvferry WRITE ")
+        writes_before = stack.prefill.writes()
         body = {"model": stack.model, "prompt": toks, "max_tokens": 12, "temperature": 0,
                 "logprobs": 5, "return_token_ids": True}
         r = httpx.post(stack.router + "/v1/completions", json=body, timeout=120,
                        headers={"x-kvferry-mode": "push"})
         r.raise_for_status()
         assert_same_output(r.json(), want)
-        # D answers once P's Wrote arrived; P logs its WRITE when it next polls
-        wait_until(lambda w=writes_before: stack.prefill.log_count("kvferry WRITE ") > w, 10,
-                   "P's WRITE log")
-        assert stack.prefill.log_count("kvferry WRITE ") == writes_before + 1
+        assert settled(stack.prefill.writes, writes_before + 1) == writes_before + 1
     wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITEs")
     assert stack.decode.kv_usage() == 0
 

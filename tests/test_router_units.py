@@ -145,3 +145,15 @@ def test_router_without_the_secret_says_reuse_is_off(caplog: pytest.LogCaptureFi
         create_app(s, b"k")
         create_app(RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"]))
     assert "KVFERRY_SECRET" not in caplog.text  # a key, or no leases to ask for
+
+
+def test_reuse_report_header_wins_and_bad_values_are_no_report() -> None:
+    from kvferry.router.wire import reuse_report
+
+    fields = {"kvferry_reused_tokens": 64, "kvferry_reuse_reason": "ok"}
+    hdrs = {"x-kvferry-reused-tokens": "128", "x-kvferry-reuse-reason": "ok"}
+    assert reuse_report(hdrs, fields) == (128, "ok")
+    assert reuse_report({}, fields) == (64, "ok")
+    assert reuse_report({}, {}) is None
+    assert reuse_report({"x-kvferry-reused-tokens": "many"}, fields) is None
+    assert reuse_report({}, {"kvferry_reused_tokens": True}) is None

@@ -26,8 +26,8 @@ from stack import (
     assert_same_output,
     complete,
     serve_kvferry_router,
+    settled,
     start_engine,
-    wait_until,
 )
 from test_e2e_tp import TP_TOL, routed
 
@@ -70,11 +70,10 @@ def test_tp2_prefill_tp1_decode_pull_and_push(stack, n):
     toks = [random.Random(n).randrange(10, 150000) for _ in range(n)]
     want = complete(d.url, model, toks, max_tokens=16)
     pulled, _ = routed(router, model, toks, "pull")
-    writes = p.log_count("kvferry WRITE ")
+    writes = p.writes()
     pushed, _ = routed(router, model, toks, "push")
     assert_same_output(pulled, want, tol=TP_TOL)
     assert_same_output(pushed, pulled, tol=0)
-    wait_until(lambda: p.log_count("kvferry WRITE ") >= writes + 2, 10, "P's WRITE logs")
-    assert p.log_count("kvferry WRITE ") == writes + 2
+    assert settled(p.writes, writes + 2) == writes + 2
     assert "READ from" not in d.log() and "recomputing" not in d.log()
     assert "KV heads at dim" in d.log() and "(8 here)" in d.log()
