@@ -19,6 +19,12 @@ import msgspec
 ROUTER_FIELDS = ("kv_transfer_params", "kvferry_mode", "conversation_id", "session_id")
 """Body fields the router consumes and never forwards."""
 
+ENGINE_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+"""Answer fields that are engine-internal (block ids, side-channel host:port, lease ids;
+encoder-cache transfer params alike) and never reach a client: removed from JSON answers
+and from every streamed event (vLLM 0.33 also puts `kv_transfer_params` on a stream's
+last chunk, and `"kv_transfer_params": null` on each completions chunk)."""
+
 PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "n", "best_of",
                 "echo", "prompt_logprobs", "return_token_ids")
 """Removed for the prefill leg: no stream there, min_tokens > 1 would clash with max 1, and
@@ -71,6 +77,13 @@ def decode(data: bytes) -> Any:
         return msgspec.json.decode(data)
     except msgspec.DecodeError as e:
         raise ValueError(str(e)) from e
+
+
+def scrub_engine_fields(obj: Any) -> dict[str, Any]:
+    """Remove ENGINE_FIELDS from an answer object in place; returns what was removed."""
+    if not isinstance(obj, dict):
+        return {}
+    return {k: obj.pop(k) for k in ENGINE_FIELDS if k in obj}
 
 
 def extract_kv_params(response_json: Any) -> dict[str, Any] | None:

@@ -12,8 +12,9 @@ How a request flows (pull, the default):
 3. Only now is D chosen (least-loaded, so the choice sees the load at decode time). D gets
    the client's original body plus exactly P's returned `kv_transfer_params`; if P gave
    none, D gets none and recomputes (warning + metric).
-4. D's answer goes back to the client: SSE passed through chunk by chunk, or JSON (minus
-   D's own `kv_transfer_params`, which are engine-internal).
+4. D's answer goes back to the client: SSE passed through chunk by chunk, or JSON; from
+   both, engine-owned fields (D's own `kv_transfer_params`, which vLLM 0.33 also streams
+   on the last chunk) are removed (`bodies.ENGINE_FIELDS`, `sse.EngineFieldFilter`).
 
 Push (header `x-kvferry-mode: push` or body `kvferry_mode: "push"`): D is chosen first,
 then P; both legs are sent at once with one transfer_id. P gets
@@ -55,7 +56,7 @@ from .conversations import Conversations, Turn
 from .errors import RouterError, from_status, from_transport
 from .metrics import RouterMetrics
 from .settings import Mode, RouterSettings
-from .sse import ChunkFilter, InsertBeforeDone, UpstreamStream
+from .sse import ChainedFilter, ChunkFilter, EngineFieldFilter, InsertBeforeDone, UpstreamStream
 from .upstreams import Upstream, UpstreamPool
 from .wire import (
     BODY_PREFILL_MS,
@@ -236,10 +237,19 @@ def _commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decod
         if not conv.commit_offer(turn, d.url, (params or {}).get("lease")):
             conv.commit_later(turn, d.url)  # e.g. an engine that keeps params to itself
 
+    streamed: dict[str, Any] = {}
+
+    def on_stream_params(params: dict[str, Any]) -> None:
+        streamed.update(params)
+
     def on_stream_end() -> None:
-        conv.commit_later(turn, d.url)
+        # vLLM 0.33 streams D's params on the last chunk; older versions do not, so the
+        # offer is then fetched over the lease-control channel.
+        if not (streamed and conv.commit_offer(turn, d.url, streamed.get("lease"))):
+            conv.commit_later(turn, d.url)
 
     hooks.on_d_params = on_json
+    hooks.on_stream_params = on_stream_params
     hooks.on_success = on_stream_end
     return hooks
 
@@ -311,11 +321,13 @@ async def _decode(
 
     if resp.status_code >= 500:
         raise from_status(resp.status_code, data.decode(errors="replace"), "decode", d.url)
+    extra: dict[str, Any] = {}
     if resp.status_code == 200:
         ctx.metrics.ttft.labels(endpoint=endpoint, stream="false").observe(
             time.perf_counter() - started
         )
-        data = _finish_json(data, hooks.json_fields() if hooks.json_fields else {})
+        extra = hooks.json_fields() if hooks.json_fields else {}
+    data = _finish_json(data, extra)
     return Response(
         data,
         status_code=resp.status_code,
@@ -353,9 +365,16 @@ def _stream(
         on_close=lambda: ctx.decode.release(d),
         on_error=on_error,
         on_abort=hooks.on_abort,
-        chunk_filter=hooks.chunk_filter,
+        chunk_filter=_client_filter(hooks),
         on_success=hooks.on_success,
     )
+
+
+def _client_filter(hooks: DecodeHooks) -> ChunkFilter:
+    """What every D stream passes through on its way to the client: engine-owned fields
+    removed first (always), then the hook's own rewriting (push's report event)."""
+    scrub = EngineFieldFilter(hooks.on_stream_params)
+    return scrub if hooks.chunk_filter is None else ChainedFilter(scrub, hooks.chunk_filter)
 
 
 @dataclass
@@ -363,8 +382,9 @@ class DecodeHooks:
     """Optional extras for the decode leg (push uses them; pull needs none).
 
     json_fields: extra top-level fields for a 200 JSON answer. chunk_filter: rewrites the
-    SSE bytes. on_abort: called when a stream ends badly (client gone, D broke);
-    on_success when it ends cleanly. on_d_params: D's kv_transfer_params of a JSON answer.
+    SSE bytes (after engine-owned fields were removed). on_abort: called when a stream
+    ends badly (client gone, D broke); on_success when it ends cleanly. on_d_params: D's
+    kv_transfer_params of a JSON answer; on_stream_params: those a stream carried.
     """
 
     json_fields: Callable[[], dict[str, Any]] | None = None
@@ -372,6 +392,7 @@ class DecodeHooks:
     on_abort: Callable[[], None] | None = None
     on_success: Callable[[], None] | None = None  # stream ended cleanly
     on_d_params: Callable[[dict[str, Any] | None], None] | None = None  # D's JSON 200 answer
+    on_stream_params: Callable[[dict[str, Any]], None] | None = None  # D's streamed params
 
 @dataclass
 class PushPrefill:
@@ -478,9 +499,10 @@ async def _run_push(
 
 
 def _passthrough(resp: httpx.Response, headers: dict[str, str]) -> Response:
-    """Return an upstream's non-2xx answer unchanged (status, body, content type)."""
+    """Return an upstream's non-2xx answer (status, body, content type) without
+    engine-owned fields."""
     return Response(
-        resp.content,
+        _finish_json(resp.content, {}),
         status_code=resp.status_code,
         media_type=resp.headers.get("content-type", "application/json"),
         headers=headers,
@@ -503,13 +525,15 @@ def _kv_params_of(data: bytes) -> dict[str, Any] | None:
 
 
 def _finish_json(data: bytes, extra: dict[str, Any]) -> bytes:
-    """Drop D's `kv_transfer_params` (engine block locations) and add `extra` fields."""
+    """Drop engine-owned fields (D's block locations and lease) and add `extra` fields."""
+    if not extra and not any(f'"{k}"'.encode() in data for k in bodies.ENGINE_FIELDS):
+        return data
     try:
         obj = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return data
-    if not isinstance(obj, dict) or ("kv_transfer_params" not in obj and not extra):
+    if not isinstance(obj, dict):
         return data
-    obj.pop("kv_transfer_params", None)
+    bodies.scrub_engine_fields(obj)
     obj.update(extra)
     return json.dumps(obj).encode()

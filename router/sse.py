@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -17,6 +18,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from . import bodies
 from .errors import RouterError, error_body, from_transport
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,91 @@ class InsertBeforeDone:
 
     def flush(self) -> bytes:
         out, self._held = self._held, b""
+        return out
+
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+_MARKERS = tuple(f'"{k}"'.encode() for k in bodies.ENGINE_FIELDS)
+
+
+class EngineFieldFilter:
+    """Removes engine-owned fields (`bodies.ENGINE_FIELDS`) from every SSE event.
+
+    vLLM 0.33 puts D's `kv_transfer_params` (block ids, host:port, a lease) on the last
+    streamed chunk; passed through, a client would see engine internals. Events are
+    forwarded whole: bytes after the last complete event wait for the rest of it (vLLM
+    ends each chunk with an event, so nothing waits in practice). Events that mention no
+    engine field are forwarded untouched, without parsing. `on_params` receives the first
+    non-empty `kv_transfer_params` seen (D's lease offer, for the conversation registry).
+    """
+
+    def __init__(self, on_params: Callable[[dict], None] | None = None) -> None:
+        self._on_params = on_params
+        self._held = b""
+        self.scrubbed = 0
+        """Events from which a field was removed (a counter tests and metrics read)."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._held + chunk
+        end = 0
+        for m in _EVENT_END.finditer(data):
+            end = m.end()
+        self._held = data[end:]
+        return self._scrub(data[:end])
+
+    def flush(self) -> bytes:
+        out, self._held = self._held, b""
+        return self._scrub(out)
+
+    def _scrub(self, data: bytes) -> bytes:
+        if not any(m in data for m in _MARKERS):
+            return data
+        out = []
+        pos = 0
+        for m in _EVENT_END.finditer(data):
+            out.append(self._event(data[pos:m.start()]) + m.group())
+            pos = m.end()
+        if pos < len(data):
+            out.append(self._event(data[pos:]))
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes:
+        """One SSE event (lines without the blank line ending it), engine fields removed."""
+        if not any(m in event for m in _MARKERS):
+            return event
+        lines = event.splitlines()
+        data_lines = [ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")]
+        try:
+            obj = json.loads(b"\n".join(data_lines))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return event  # not JSON: no object field to remove
+        removed = bodies.scrub_engine_fields(obj)
+        if not removed:
+            return event
+        self.scrubbed += 1
+        params = removed.get("kv_transfer_params")
+        if isinstance(params, dict) and params and self._on_params is not None:
+            self._on_params(params)
+            self._on_params = None
+        other = [ln for ln in lines if not ln.startswith(b"data:")]
+        return b"\n".join([*other, b"data: " + json.dumps(obj, separators=(",", ":")).encode()])
+
+
+class ChainedFilter:
+    """Applies several ChunkFilters in order."""
+
+    def __init__(self, *filters: ChunkFilter) -> None:
+        self.filters = filters
+
+    def feed(self, chunk: bytes) -> bytes:
+        for f in self.filters:
+            chunk = f.feed(chunk)
+        return chunk
+
+    def flush(self) -> bytes:
+        out = b""
+        for f in self.filters:
+            out = f.feed(out) + f.flush() if out else f.flush()
         return out
 
 

@@ -120,6 +120,9 @@ class FakeEngine:
     answered_at: list[float] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    script: Any = None
+    """Optional `script(body, chat) -> (json_answer, sse_events)`: the exact answer bytes a
+    given engine version sends (e.g. vLLM 0.33's, serialized by its own classes)."""
 
     def app(self) -> FastAPI:
         """FastAPI app answering like vLLM's OpenAI server (enough for the router)."""
@@ -145,6 +148,11 @@ class FakeEngine:
                 if eng.status != 200:
                     msg = {"error": {"message": f"{eng.name} says {eng.status}"}}
                     return JSONResponse(msg, status_code=eng.status)
+                if eng.script is not None:
+                    answer_json, events = eng.script(body, chat)
+                    if body.get("stream"):
+                        return StreamingResponse(_replay(events), media_type="text/event-stream")
+                    return JSONResponse(json.loads(answer_json))
                 if body.get("stream"):
                     eng.in_flight += 1  # held until the stream ends
                     return StreamingResponse(eng._sse(chat), media_type="text/event-stream")
@@ -193,6 +201,11 @@ class FakeEngine:
             self.in_flight -= 1
             if not finished:
                 self.stream_closed_early.set()
+
+
+async def _replay(events: list[bytes]) -> AsyncIterator[bytes]:
+    for e in events:
+        yield e
 
 
 def _choice(chat: bool, text: str, final: bool) -> dict[str, Any]:

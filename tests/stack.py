@@ -23,6 +23,7 @@ import httpx
 from helpers_http import free_port, serve
 
 from kvferry.router.app import create_app
+from kvferry.router.bodies import ENGINE_FIELDS
 from kvferry.router.settings import RouterSettings
 from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env, vllm_engine_id
 from kvferry.scripts.procs import Child, stop_all, wait_healthy
@@ -32,6 +33,16 @@ STARTUP_S = float(os.environ.get("KVFERRY_TEST_STARTUP_S", "900"))
 # Every engine the tests started and still running: a failing test's report carries the
 # tails of their logs (conftest.py), since CI keeps nothing but pytest's output.
 STARTED: list[Child] = []
+
+# Routers the tests started: every answer `complete` gets from one must carry no
+# engine-owned field (D's kv_transfer_params: block ids, host:port, lease).
+ROUTERS: set[str] = set()
+
+
+def assert_no_engine_fields(raw: str) -> None:
+    """An answer a client got through the router names no engine-internal field."""
+    for name in ENGINE_FIELDS:
+        assert f'"{name}"' not in raw, f"engine field {name!r} reached the client: {raw[:300]}"
 
 
 # Log lines that say nothing about a failure: route tables, access logs, throughput.
@@ -190,7 +201,9 @@ def serve_kvferry_router(es: ExitStack, prefills: list[Engine], decodes: list[En
     closes; its URL."""
     settings = kvferry_router_settings(prefills, decodes, prefill_timeout_s=300,
                                        decode_timeout_s=300)
-    return es.enter_context(serve(create_app(settings, secret.encode())))
+    url = es.enter_context(serve(create_app(settings, secret.encode())))
+    ROUTERS.add(url)
+    return url
 
 
 def kvferry_router_settings(prefills: list[Engine], decodes: list[Engine], **kw: Any
@@ -231,6 +244,7 @@ def pd_stack(model: str, logs: Path, connector: str = "kvferry",
                                   prefill_timeout_s=120, decode_timeout_s=120,
                                   **({"mode": "push"} if vllm_push else {}), **(router or {}))
         router = stack.enter_context(serve(create_app(settings, secret.encode())))
+        ROUTERS.add(router)
         yield Stack(p, d, router, secret, model, children)
 
 
@@ -241,6 +255,8 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int = 12,
             "logprobs": 5, "return_token_ids": True, **extra}
     r = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
     r.raise_for_status()
+    if url in ROUTERS:
+        assert_no_engine_fields(r.text)
     return r.json()
 
 

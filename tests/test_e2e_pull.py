@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import pytest
 from stack import (
+    assert_no_engine_fields,
     assert_same_output,
     complete,
     free_port,
@@ -78,6 +79,7 @@ def test_chat_stream_through_router(stack):
                       json={**body, "stream": True}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
+            assert_no_engine_fields(line)
             if line.startswith("data: ") and line != "data: [DONE]":
                 for ch in msgspec.json.decode(line[6:])["choices"]:
                     text += ch.get("delta", {}).get("content") or ""

@@ -15,7 +15,14 @@ import uuid
 import httpx
 import pytest
 from helpers_http import serve
-from stack import assert_same_output, complete, outputs_differ, prompt, wait_until
+from stack import (
+    assert_no_engine_fields,
+    assert_same_output,
+    complete,
+    outputs_differ,
+    prompt,
+    wait_until,
+)
 
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
@@ -50,6 +57,7 @@ def turn(url: str, model: str, toks: list[int], cid: str | None, key: str | None
         headers["authorization"] = f"Bearer {key}"
     r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=180)
     r.raise_for_status()
+    assert_no_engine_fields(r.text)
     return r.json(), r.headers
 
 
@@ -164,6 +172,7 @@ def test_streamed_turn_is_recorded(stack):
     with httpx.stream("POST", stack.router + "/v1/completions", json=body, timeout=120) as r:
         text = "".join(r.iter_text())
     assert "[DONE]" in text
+    assert_no_engine_fields(text)
     want = complete(stack.prefill.url, stack.model, toks, max_tokens=8)
     nxt = toks + out_tokens(want) + prompt(100, 51)
     got, headers = turn(stack.router, stack.model, nxt, "conv-stream")
