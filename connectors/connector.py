@@ -38,6 +38,13 @@ def idle_wait_s(idle: bool, prev_idle: bool, delivered: bool, wait_ms: float) ->
     return wait_ms / 1e3 if idle and prev_idle and not delivered else 0.0
 
 
+def kv_summary(kv: Any) -> str:
+    """Shape and dtype of one layer's KV as vLLM passed it: a tensor or a (K, V) pair."""
+    if isinstance(kv, tuple | list):
+        return "(" + ", ".join(kv_summary(x) for x in kv) + ")"
+    return f"{tuple(getattr(kv, 'shape', ()))} {getattr(kv, 'dtype', type(kv).__name__)}"
+
+
 class KvferryMeta(KVConnectorMetadata):
     def __init__(self, step: StepMeta):
         self.step = step
@@ -46,6 +53,7 @@ class KvferryMeta(KVConnectorMetadata):
 class KvferryConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.check_no_sleep_mode(vllm_config)  # before any port or NIXL agent exists
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         self.engine_id = str(ktc.engine_id)
@@ -71,10 +79,10 @@ class KvferryConnector(KVConnectorBase_V1):
             host_staging = self._host_staging_possible()
             if host_staging:
                 log.warning("kvferry: Neuron KV may be staged through host memory "
-                            "(neuron_staging is not 'device'): this engine keeps no decode "
+                            "(neuron_staging is auto or host): this engine keeps no decode "
                             "leases (bidirectional reuse off), because a leased block's host "
                             "mirror would miss every later decode step; set "
-                            "neuron_staging: device to enable reuse")
+                            "neuron_staging: device or mapped to enable reuse")
             self._sched = TransferScheduler(
                 self.engine_id, cfg.side_channel_host, cfg.side_channel_port, self.block_size, tp,
                 leases=None if host_staging else self._lease_keeper(vllm_config, kv_cache_config, tp),
@@ -99,7 +107,7 @@ class KvferryConnector(KVConnectorBase_V1):
             return False
         backend = get_backend("neuron")  # constructing and configuring touch no hardware
         backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
-        return backend.staging_mode != "device"
+        return backend.may_stage  # device and mapped HBM are registered in place
 
     def _lease_keeper(self, vllm_config: Any, kv_cache_config: Any, tp: int) -> Any:
         """D's leases (bidirectional reuse) and the router's control channel onto them."""
@@ -187,29 +195,51 @@ class KvferryConnector(KVConnectorBase_V1):
         rank = compat.tp_rank()
         n = compat.num_blocks(self._vllm_config, self._kv_cache_config)
         backend = self._backend = get_backend(self.cfg.hardware_backend)
-        if hasattr(backend, "configure"):  # neuron: staging mode from the extra config
+        if hasattr(backend, "configure"):  # neuron: registration mode from the extra config
             backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
-        if self.cfg.hardware_backend == "neuron":
-            from kvferry.neuron.envcheck import init_order
-
-            init_order()  # the Neuron runtime must be up before libfabric loads (FI_HMEM_NEURON)
+        # Neuron: the framework (libtorch-neuronx) started the runtime before this call;
+        # kvferry never initialises it (kvferry/neuron/libnrt.py says why).
         if heads_dim is None and kv_caches:
-            heads_dim = compat.kv_heads_dim(self._vllm_config, kv_caches)
+            heads_dim = backend.kv_heads_dim(kv_caches)
+            if heads_dim is None:
+                heads_dim = compat.kv_heads_dim(self._vllm_config, kv_caches)
+        kv_caches, heads_dim = compat.block_major(kv_caches, heads_dim)  # 0.32+ block-major KV
         layout = backend.describe(kv_caches, n, self.block_size, heads_dim)
-        first = next(iter(kv_caches.values()))
-        log.info("kvferry: %d KV tensors like %s %s; %d blocks; KV heads at dim %s (%d here)",
-                 len(kv_caches), tuple(first.shape), getattr(first, "dtype", "?"), n, heads_dim,
+        log.info("kvferry: %d KV caches like %s; %d blocks; KV heads at dim %s (%d here)",
+                 len(kv_caches), kv_summary(next(iter(kv_caches.values()))), n, heads_dim,
                  layout.num_heads)
-        # Host staging (neuron): the layout is the DRAM mirror and the worker copies
-        # device <-> mirror around transfers; cpu/cuda have none.
-        self._worker = TransferWorker(self.cfg, self.engine_id, rank, layout,
-                                      self.cfg.transport_backends(backend), self.instance,
-                                      staging=getattr(backend, "staging", None),
-                                      tp_size=self._vllm_config.parallel_config.tensor_parallel_size,
-                                      num_heads=compat.total_kv_heads(self._vllm_config))
+
+        def start(lay: Any) -> TransferWorker:
+            # Host staging (neuron): the layout is the DRAM mirror and the worker copies
+            # device <-> mirror around transfers; cpu/cuda and the other neuron modes have none.
+            staging = getattr(backend, "staging", None)
+            return TransferWorker(self.cfg, self.engine_id, rank, lay,
+                                  self.cfg.transport_backends(backend), self.instance,
+                                  staging=staging if staging is not None and lay is staging.layout
+                                  else None,
+                                  tp_size=self._vllm_config.parallel_config.tensor_parallel_size,
+                                  num_heads=compat.total_kv_heads(self._vllm_config))
+
+        # Neuron: a registration NIXL refuses moves on to the next mode (device, mapped
+        # HBM, host staging); the others register once.
+        self._worker = backend.register_with(layout, start)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """0.33 asks before accepting --enable-sleep-mode: sleep would free the KV kvferry
+        registered with NIXL (`compat.SLEEP_MODE_ERROR`). Older versions never ask; there
+        __init__ refuses."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """0.32+: ask for block-major KV (cross-layer blocks, `compat.required_kv_layout`)."""
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        return compat.required_kv_layout(getattr(ktc, "kv_connector_extra_config", None))
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
+        """0.21-0.26 (V1 model runner): one KV tensor for all layers, block-major."""
         return self.cfg.cross_layer_blocks
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any = None) -> None:

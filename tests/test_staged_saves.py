@@ -128,12 +128,6 @@ def test_compat_reads_vllm_032_scheduler_output():
     assert compat.grown_blocks(out) == {"run": ([4], False), "res": ([7, 8], True)}
 
 
-def test_compat_reads_the_older_resumed_flags():
-    cached = SimpleNamespace(req_ids=["a", "b"], resumed_from_preemption=[False, True],
-                             new_block_ids=[([1],), ([2, 3],)], num_computed_tokens=[0, 0])
-    assert compat.grown_blocks(scheduler_output(cached)) == {"a": ([1], False), "b": ([2, 3], True)}
-
-
 # -- the connector glue ---------------------------------------------------------------------------
 def vllm_config(extra: dict) -> SimpleNamespace:
     ktc = SimpleNamespace(kv_connector_extra_config=extra, engine_id="eng")
