@@ -13,7 +13,9 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 DRAM = "DRAM"
 VRAM = "VRAM"
@@ -166,6 +168,17 @@ class MemoryBackend(ABC):
         ``heads_dim``: the KV-heads dim of every tensor's (logical) shape, when known."""
 
     supports_fence: bool = False
+
+    def kv_heads_dim(self, kv_caches: Mapping[str, Any]) -> int | None:
+        """The KV-heads dim of these tensors when the backend knows its engine's layout
+        (None: ask vLLM, `compat.kv_heads_dim`)."""
+        return None
+
+    def register_with(self, layout: KVLayout, make: Callable[[KVLayout], T]) -> T:
+        """Register ``layout`` by calling ``make`` (it builds the transport). A backend
+        with other ways to expose the same KV (neuron) retries with the next when NIXL
+        refuses one; torch backends have one way."""
+        return make(layout)
 
     def fence(self) -> Any:
         """Called right after the engine enqueued a forward: an object whose ``query()``

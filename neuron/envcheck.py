@@ -3,12 +3,17 @@
 Each check returns a :class:`Finding` that says what was found and, when something is
 missing, what to do about it. ``python -m kvferry.neuron.envcheck`` prints the report and
 exits 1 when a blocking problem would stop NIXL's LIBFABRIC backend from moving Neuron
-HBM directly (the engine would then need ``neuron_staging: host``).
+HBM directly (``neuron_staging: auto`` then falls back to mapped HBM or host staging at
+engine start; see :mod:`kvferry.neuron.backend`).
 
-Order matters on Neuron: libfabric decides whether FI_HMEM_NEURON is available when it
-initialises, so the Neuron runtime must already be up. :func:`init_order` does that
-(``nrt_init`` first, then load libfabric) and refuses to continue silently when libfabric
-is already in the process.
+Nothing here starts the Neuron runtime. libfabric only dlopens libnrt and calls
+``nrt_get_total_nc_count``, which nrt.h allows before ``nrt_init`` (ofiwg/libfabric
+``src/hmem_neuron.c``, ``neuron_hmem_init``); NIXL's LIBFABRIC plugin only dlopens libnrt
+for ``nrt_get_attached_efa_bdf`` (ai-dynamo/nixl ``src/plugins/libfabric/
+libfabric_backend.cpp``); the framework (libtorch-neuronx in vllm-neuron) starts the
+runtime. So there is no "nrt_init before libfabric" order to enforce, and a connector
+that called ``nrt_init`` itself would be a second, undocumented init.
+
 """
 
 from __future__ import annotations
@@ -82,18 +87,6 @@ def libfabric_version(path: str) -> tuple[int, int]:
     return v >> 16, v & 0xFFFF
 
 
-def libfabric_loaded() -> str | None:
-    """Path of a libfabric already mapped into this process, if any."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for ln in maps.splitlines():
-        if "libfabric.so" in ln:
-            return ln.split()[-1]
-    return None
-
-
 # -- checks ---------------------------------------------------------------------------------
 def check_libnrt() -> Finding:
     from kvferry.neuron import libnrt
@@ -106,7 +99,25 @@ def check_libnrt() -> Finding:
                        f"${libnrt.ENV_LIBNRT}", blocking=True)
     extra = "" if lib.has_efa_bdf else " (no nrt_get_attached_efa_bdf: runtime < 2.31, "\
         "NIXL will use all EFA rails)"
-    return _ok("libnrt", f"loaded {lib.path}{extra}")
+    try:  # nrt.h: callable before nrt_init, so this starts nothing
+        cores = f", {lib.total_nc_count()} NeuronCores"
+    except libnrt.NrtError as e:
+        cores = f", NeuronCore count unknown ({e})"
+    return _ok("libnrt", f"loaded {lib.path}{cores}{extra}")
+
+
+def check_map_hbm(env: Mapping[str, str]) -> Finding:
+    """NEURON_RT_MAP_HBM=1 is what the mapped-HBM registration mode needs: AWS's
+    disagg_serve_vllm sample exports it, and vllm-neuron's worker sets it before it starts
+    the runtime (aws-neuron/aws-neuron-eks-samples disagg_serve_vllm/prefill-deploy.yaml;
+    vllm-project/vllm-neuron vllm_neuron/vllm/worker/neuron_worker.py)."""
+    v = env.get("NEURON_RT_MAP_HBM")
+    if v == "1":
+        return _ok("map-hbm", "NEURON_RT_MAP_HBM=1: HBM is mapped into host address space "
+                   "(neuron_staging: mapped can register it as DRAM)")
+    return Finding("map-hbm", WARN, f"NEURON_RT_MAP_HBM={v!r}: the mapped-HBM mode is "
+                   "unavailable unless the framework sets it (vllm-neuron's worker does)",
+                   "export NEURON_RT_MAP_HBM=1 before the engine starts")
 
 
 def check_libfabric(path: str | None = None) -> Finding:
@@ -185,21 +196,6 @@ def check_nixl_plugin() -> Finding:
     return _ok("nixl-libfabric", plugins[-1])
 
 
-def check_init_order() -> Finding:
-    loaded = libfabric_loaded()
-    from kvferry.neuron import libnrt
-
-    nrt_up = libnrt.is_loaded() and libnrt.load().initialized
-    if loaded and not nrt_up:
-        return Finding("init-order", MISSING, f"{loaded} was loaded before nrt_init: "
-                       "FI_HMEM_NEURON will be missing",
-                       "call kvferry.neuron.envcheck.init_order() before importing anything "
-                       "that loads libfabric (nixl agents, torch-neuronx collectives)",
-                       blocking=True)
-    return _ok("init-order", "nrt_init precedes libfabric in this process"
-               if nrt_up else "libfabric not yet loaded; use init_order() at engine start")
-
-
 def check_efa_devices(sysfs: str = "/sys/class/infiniband") -> Finding:
     devs = []
     for d in sorted(glob.glob(os.path.join(sysfs, "*"))):
@@ -253,45 +249,14 @@ def check_hmem(env: Mapping[str, str]) -> Finding:
     return _ok("fi-hmem", detail)
 
 
-def init_order(lib_path: str | None = None) -> tuple[object, str | None]:
-    """Initialise the Neuron runtime, then load libfabric: the only order that enables
-    FI_HMEM_NEURON. Returns (libnrt handle, libfabric path or None).
-
-    Raises RuntimeError if libfabric is already in the process without the runtime up.
-    """
-    from kvferry.neuron import libnrt
-
-    pre = libfabric_loaded()
-    lib = libnrt.load()
-    if pre and not lib.initialized:
-        raise RuntimeError(f"libfabric ({pre}) was loaded before nrt_init; start the Neuron "
-                           "runtime before creating NIXL agents")
-    lib.init()
-    path = lib_path or find_library("libfabric.so.1", LIBFABRIC_DIRS)
-    if path:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    return lib, path
-
-
-def run_checks(colocated: bool = False, env: Mapping[str, str] | None = None,
-               init_runtime: bool = True) -> list[Finding]:
-    """All findings, runtime first so the libfabric probe happens in the right order."""
+def run_checks(colocated: bool = False, env: Mapping[str, str] | None = None) -> list[Finding]:
+    """All findings. None of them initialises the Neuron runtime."""
     env = os.environ if env is None else env
-    findings = [check_libnrt()]
-    if init_runtime and findings[0].status == OK:
-        from kvferry.neuron import libnrt
-
-        try:
-            libnrt.load().init()
-        except libnrt.NrtError as e:
-            findings.append(Finding("nrt-init", MISSING, str(e), "check the Neuron driver "
-                                    "(neuron-ls) and NEURON_RT_VISIBLE_CORES", blocking=True))
     checks: list[Callable[[], Finding]] = [
-        check_init_order, check_libfabric, check_hwloc, check_nixl_plugin, check_efa_devices,
-        lambda: check_shm(colocated, env), lambda: check_hmem(env),
+        check_libnrt, check_libfabric, check_hwloc, check_nixl_plugin, check_efa_devices,
+        lambda: check_shm(colocated, env), lambda: check_hmem(env), lambda: check_map_hbm(env),
     ]
-    findings += [c() for c in checks]
-    return findings
+    return [c() for c in checks]
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:
@@ -303,17 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--colocated", action="store_true",
                     help="prefill and decode engines share this instance")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
-    ap.add_argument("--no-init", action="store_true", help="do not call nrt_init")
     args = ap.parse_args(argv)
-    findings = run_checks(args.colocated, init_runtime=not args.no_init)
+    findings = run_checks(args.colocated)
     bad = blocking(findings)
     if args.json:
         print(json.dumps({"ok": not bad, "findings": [asdict(f) for f in findings]}, indent=2))
     else:
         for f in findings:
             print(f.line())
-        print(f"\n{len(bad)} blocking problem(s)" + (": use neuron_staging='host' until fixed"
-                                                    if bad else ""))
+        print(f"\n{len(bad)} blocking problem(s)" + (": device registration will fail; "
+                                                    "neuron_staging: auto falls back to "
+                                                    "mapped HBM or host staging" if bad else ""))
     return 1 if bad else 0
 
 

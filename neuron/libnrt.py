@@ -1,9 +1,21 @@
-"""ctypes binding to the Neuron runtime (libnrt, ``nrt/nrt.h``).
+"""ctypes binding to the Neuron runtime (libnrt, ``nrt/nrt.h``), without ever starting it.
 
-Only the calls kvferry needs: init/close, tensor allocate/free/VA/size/read/write and
-``nrt_get_attached_efa_bdf`` (which EFA rail sits next to a piece of HBM). No Neuron SDK
-is importable from PyPI, so we bind the C library directly; this also lets the tests run
-the exact same code against a fake ``libnrt`` compiled from ``tests/fakes/fake_libnrt.c``.
+kvferry runs inside a vLLM worker whose runtime the framework already started
+(vllm-neuron's ``NeuronWorker`` calls ``torch.classes.neuron.Runtime().initialize()``
+before the KV connector registers memory: vllm-project/vllm-neuron
+``vllm_neuron/vllm/worker/neuron_worker.py``). Like NIXL's LIBFABRIC plugin
+(ai-dynamo/nixl ``src/plugins/libfabric/libfabric_backend.cpp``: ``dlopen("libnrt.so.1")``
+and ``nrt_get_attached_efa_bdf``) and libfabric (ofiwg/libfabric ``src/hmem_neuron.c``:
+``nrt_get_total_nc_count``, "one of the few neuron functions that can be called before
+nrt_init()"), kvferry only dlopens libnrt and asks it questions. There is deliberately no
+binding for ``nrt_init`` / ``nrt_close``: a second init from a connector is undocumented
+and the runtime's lifecycle is the framework's.
+
+Bound: the core counts nrt.h allows before init, tensor allocate/free/VA/size/read/write
+(tensors of a runtime someone else started) and ``nrt_get_attached_efa_bdf`` (which EFA
+rail sits next to a piece of HBM). No Neuron SDK is importable from PyPI, so we bind the C
+library directly; the tests run the same code against a fake ``libnrt`` compiled from
+``tests/fakes/fake_libnrt.c``.
 
 The library is loaded lazily (first use), from ``$KVFERRY_LIBNRT`` if set, else from the
 loader path (``libnrt.so.1``), else from the Neuron SDK's default install directory.
@@ -25,8 +37,7 @@ ENV_LIBNRT = "KVFERRY_LIBNRT"
 SONAME = "libnrt.so.1"
 SDK_DEFAULT = "/opt/aws/neuron/lib/libnrt.so.1"
 
-# nrt_framework_type_t / nrt_tensor_placement_t (values are ABI, see nrt.h).
-NRT_FRAMEWORK_TYPE_NO_FW = 1
+# nrt_tensor_placement_t (values are ABI, see nrt.h).
 PLACEMENT_DEVICE = 0
 PLACEMENT_HOST = 1
 PLACEMENT_VIRTUAL = 2
@@ -63,7 +74,8 @@ _MEANING = {
     NrtStatus.TIMEOUT: "operation timed out",
     NrtStatus.HW_ERROR: "Neuron hardware error",
     NrtStatus.FAIL_HOST_MEM_ALLOC: "host memory allocation failed",
-    NrtStatus.UNINITIALIZED: "runtime not initialised: call nrt_init first",
+    NrtStatus.UNINITIALIZED: "runtime not initialised (the framework, e.g. libtorch-neuronx, "
+                             "starts it; kvferry never calls nrt_init)",
     NrtStatus.CLOSED: "runtime already closed (nrt_close was called)",
     NrtStatus.EXEC_NC_BUSY: "NeuronCore in use by another process",
 }
@@ -155,8 +167,6 @@ class Libnrt:
                 + f". Install aws-neuronx-runtime-lib (provides {SDK_DEFAULT}), add its "
                 "directory to LD_LIBRARY_PATH, or point $" + ENV_LIBNRT + " at libnrt.so.1."
             )
-        self._initialized = False
-        self._lock = threading.Lock()
         self._bind()
 
     def _fn(self, name: str, restype: Any, *argtypes: Any) -> Any:
@@ -169,9 +179,13 @@ class Libnrt:
         return f
 
     def _bind(self) -> None:
-        vp, sz, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-        self._init = self._fn("nrt_init", i32, i32, ctypes.c_char_p, ctypes.c_char_p)
-        self._close = self._fn("nrt_close", None)
+        vp, sz, i32, u32p = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_uint32)
+        # nrt.h: both "can be called before nrt_init()".
+        self._total_nc = self._fn("nrt_get_total_nc_count", i32, u32p)
+        try:
+            self._visible_nc: Any = self._fn("nrt_get_visible_nc_count", i32, u32p)
+        except LibnrtNotFound:
+            self._visible_nc = None
         self._alloc = self._fn("nrt_tensor_allocate", i32, i32, i32, sz, ctypes.c_char_p,
                                ctypes.POINTER(vp))
         self._free = self._fn("nrt_tensor_free", None, ctypes.POINTER(vp))
@@ -190,25 +204,22 @@ class Libnrt:
     def has_efa_bdf(self) -> bool:
         return self._efa_bdf is not None
 
-    # -- lifecycle -------------------------------------------------------------------
-    @property
-    def initialized(self) -> bool:
-        return self._initialized
+    # -- queries allowed before (and without) nrt_init -----------------------------------
+    def total_nc_count(self) -> int:
+        """NeuronCores on this instance (nrt_get_total_nc_count; no runtime needed)."""
+        n = ctypes.c_uint32()
+        check("nrt_get_total_nc_count", self._total_nc(ctypes.byref(n)))
+        return int(n.value)
 
-    def init(self) -> None:
-        """nrt_init(NO_FW): idempotent per process. Must precede any libfabric load."""
-        with self._lock:
-            if not self._initialized:
-                check("nrt_init", self._init(NRT_FRAMEWORK_TYPE_NO_FW, b"", b""))
-                self._initialized = True
+    def visible_nc_count(self) -> int | None:
+        """NeuronCores visible to this process (None: symbol missing)."""
+        if self._visible_nc is None:
+            return None
+        n = ctypes.c_uint32()
+        check("nrt_get_visible_nc_count", self._visible_nc(ctypes.byref(n)))
+        return int(n.value)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._initialized:
-                self._close()
-                self._initialized = False
-
-    # -- tensors -------------------------------------------------------------------
+    # -- tensors of the runtime the framework started -------------------------------------
     def tensor_allocate(self, size: int, vnc: int = 0, name: str = "kvferry",
                         placement: int = PLACEMENT_DEVICE) -> int:
         """Allocate ``size`` bytes on NeuronCore ``vnc``; returns the nrt_tensor_t* handle."""

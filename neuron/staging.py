@@ -1,11 +1,12 @@
 """Host-staged KV transfer: the fallback when Neuron HBM cannot be registered with NIXL.
 
-Device registration needs libfabric >= 1.21 with FI_HMEM_NEURON, EFA, and a runtime that
-was initialised first. When any of that is missing (or a registration fails), KV can
-still move: we mirror every device KV array in pinned host DRAM, register the mirrors as
-DRAM, copy device -> host before a peer reads (or before we write), and host -> device
-after data arrived. Each copy is timed and logged, because this path costs two PCIe
-crossings per transfer and operators should see that in their logs, not guess it.
+Device registration needs NIXL's LIBFABRIC backend with FI_HMEM_NEURON (libfabric >= 1.21,
+EFA), and mapped-HBM registration needs NEURON_RT_MAP_HBM=1. When neither works (or a
+registration fails), KV can still move: we mirror every device KV array in pinned host
+DRAM, register the mirrors as DRAM, copy device -> host before a peer reads (or before
+we write), and host -> device after data arrived. Each copy is timed and logged, because
+this path costs two PCIe crossings per transfer and operators should see that in their
+logs, not guess it.
 
 Who copies when (connectors/): D stages in after a READ completes, or when every push
 WRITE landed, before reporting the request received (worker.py, push_worker.py); push P
@@ -27,13 +28,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvferry.connectors.memory import DRAM, KVLayout, Plane, Region
-from kvferry.neuron.arrays import DeviceArray
+from kvferry.neuron.arrays import DeviceArray, is_torch_tensor
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers in an engine
 
 D2H = "d2h"
 H2D = "h2d"
-STAGING_MODES = ("auto", "device", "host")
 
 # copy(direction, array, offset_in_array, host_addr, nbytes)
 CopyFn = Callable[[str, DeviceArray, int, int, int], None]
@@ -55,6 +55,52 @@ def nrt_copy(direction: str, array: DeviceArray, offset: int, host_addr: int, nb
         lib.tensor_write(array.nrt_handle, host_addr, offset, nbytes)
     else:
         raise ValueError(f"unknown copy direction {direction!r}")
+
+
+def torch_copy(direction: str, array: DeviceArray, offset: int, host_addr: int, nbytes: int) -> None:
+    """Copy on a torch KV tensor (vllm-neuron's ``neuron`` device, or CPU) with the
+    framework's own ``Tensor.copy_``: torch tensors carry no nrt handle, and device <-> CPU
+    copies are what the community host-staging attempt used (vllm-project/vllm-neuron
+    issue 26 / PR 27: KV moved through CPU DRAM, ``.cpu()``)."""
+    import torch
+
+    dev = _byte_view(array.obj)[offset:offset + nbytes]
+    host = torch.frombuffer((ctypes.c_char * nbytes).from_address(host_addr), dtype=torch.uint8)
+    if direction == D2H:
+        host.copy_(dev)
+    elif direction == H2D:
+        dev.copy_(host)
+    else:
+        raise ValueError(f"unknown copy direction {direction!r}")
+
+
+def _byte_view(t):  # noqa: ANN001, ANN202 (torch is imported lazily)
+    """Bytes from ``t.data_ptr()`` on, as a flat uint8 tensor on t's device (a view)."""
+    import torch
+
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8)
+    st = t.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+    return flat[t.data_ptr() - st.data_ptr():]
+
+
+def copy_problem(array: DeviceArray) -> str | None:
+    """Why :func:`default_copy` cannot move this array's bytes (None: it can)."""
+    if is_torch_tensor(array.obj) or array.nrt_handle is not None:
+        return None
+    return (f"{array.name}: no copy path (not a torch tensor, no nrt tensor handle); pass "
+            "NeuronBackend(copy=...)")
+
+
+def default_copy(direction: str, array: DeviceArray, offset: int, host_addr: int,
+                 nbytes: int) -> None:
+    """The copy each array allows: ``Tensor.copy_`` for torch tensors, nrt_tensor_read /
+    nrt_tensor_write for nrt handles."""
+    if is_torch_tensor(array.obj):
+        torch_copy(direction, array, offset, host_addr, nbytes)
+    else:
+        nrt_copy(direction, array, offset, host_addr, nbytes)
 
 
 class PinnedBuffer:
@@ -112,7 +158,7 @@ class HostStaging:
             raise ValueError("one owner list per device region is required")
         self.device = device
         self.owners = [list(o) for o in owners]
-        self.copy: CopyFn = copy or nrt_copy
+        self.copy: CopyFn = copy or default_copy
         self.buffers = [PinnedBuffer(r.length) for r in device.regions]
         regions = tuple(Region(b.addr, r.length, 0, DRAM)
                         for b, r in zip(self.buffers, device.regions, strict=True))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .neuron_env import neuron_engine_env
+
 Backend = Literal["cpu", "cuda", "neuron"]
 Connector = Literal["kvferry", "vllm-nixl"]
 Role = Literal["prefill", "decode"]
@@ -163,8 +165,7 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         if spec.connector == "kvferry":
             env.update(CUDA_KVFERRY_ENV)
     elif spec.backend == "neuron":
-        env["NEURON_RT_VISIBLE_CORES"] = format_ranges(device_share(spec))
-        env["FI_EFA_ENABLE_SHM_TRANSFER"] = "0"
+        env.update(neuron_engine_env(device_share(spec)))
     else:
         raise ValueError(f"unknown hardware backend {spec.backend!r}")
     return env

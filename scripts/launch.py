@@ -9,13 +9,17 @@ are written out for ``ssh HOST bash -s < script`` (we never ssh on the user's be
 
 Placement: engines are packed host by host (prefill first), each on a TP-aligned range
 of devices. On Neuron a "device" is a logical NeuronCore (LNC=2 on trn2: 64 per host),
-selected with NEURON_RT_VISIBLE_CORES; on p5en it is a GPU (CUDA_VISIBLE_DEVICES).
-When a host carries both roles, FI_EFA_ENABLE_SHM_TRANSFER=0 is set for its engines:
-EFA's shared-memory path cannot move device memory between P and D on one instance.
+selected with NEURON_VISIBLE_DEVICES; on p5en it is a GPU (CUDA_VISIBLE_DEVICES). On p5en,
+when a host carries both roles, FI_EFA_ENABLE_SHM_TRANSFER=0 is set for its engines: EFA's
+shared-memory path cannot move device memory between P and D on one instance.
 
-Platform: vllm-neuron is selected by vLLM's platform plugin (installed with the Neuron
-SDK); vLLM >= 0.10 has no ``--device`` flag, so the neuron command carries only the
-block size vllm-neuron uses (32) and the NeuronCore/LNC environment.
+Neuron: vllm-neuron is selected by vLLM's platform plugin (installed with the Neuron SDK);
+the environment of a trn2 engine is checked variable by variable against AWS's public
+disaggregated-serving sample in :data:`NEURON_ENV_VS_AWS_SAMPLE` (what is adopted, what
+kvferry keeps and why), and the per-host script starts with :func:`neuron_prelude` (the
+EFA libfabric first on the loader path, the sample's libcuda stub where libcuda.so.1 is
+missing). No NIXL backend is forced on Neuron: the memory backend tries device, mapped-HBM
+and host registration and picks the backends each needs (kvferry/neuron/backend.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ import typer
 from kvferry.connectors.params import SECRET_ENV, deployment_secret
 
 from .engines import CUDA_KVFERRY_ENV
+from .neuron_env import (  # noqa: F401 (re-exported: the plan's Neuron environment)
+    AWS_SAMPLE_ENV,
+    NEURON_CCOM_BASE_PORT,
+    NEURON_ENV_VS_AWS_SAMPLE,
+    neuron_engine_env,
+    neuron_prelude,
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,7 @@ INSTANCES: dict[str, InstanceSpec] = {
 
 # UCX over EFA: the SRD transport (UCX >= 1.19) plus CUDA copy/IPC for local GPU memory.
 P5EN_UCX_TLS = "srd,cuda_copy,cuda_ipc,sm,self"
+# vllm-neuron's default KV page (vllm_neuron/vllm/platform.py UNIFORM_NEURON_PAGE = 32).
 NEURON_BLOCK_SIZE = 32
 
 
@@ -96,6 +108,7 @@ class HostPlan:
     engines: list[EnginePlan] = field(default_factory=list)
     router: list[str] | None = None
     router_waits_for: list[str] = field(default_factory=list)
+    prelude: list[str] = field(default_factory=list)  # shell lines before the engines
 
     def commands(self) -> list[str]:
         out = [e.command() for e in self.engines]
@@ -111,7 +124,7 @@ class HostPlan:
             raise PlanError(f"{SECRET_ENV} must not be empty")
         lines = ["#!/usr/bin/env bash", f"# kvferry launch plan for {self.host}", "set -euo pipefail",
                  f"export {SECRET_ENV}={shlex.quote(secret)}",
-                 f"mkdir -p {shlex.quote(log_dir)}"]
+                 f"mkdir -p {shlex.quote(log_dir)}", *self.prelude]
         for e in self.engines:
             log = shlex.quote(f"{log_dir}/{e.name}.log")
             lines.append(f"nohup {e.command()} > {log} 2>&1 &")
@@ -161,13 +174,6 @@ def _place(n_units: int, hosts: list[str], tps: list[int], separate_from: int | 
     return out
 
 
-def _ranges(devs: tuple[int, ...]) -> str:
-    """NEURON_RT_VISIBLE_CORES form: "8-15" for a contiguous range, else a list."""
-    if list(devs) == list(range(devs[0], devs[-1] + 1)):
-        return str(devs[0]) if len(devs) == 1 else f"{devs[0]}-{devs[-1]}"
-    return ",".join(map(str, devs))
-
-
 def plan(
     hosts: list[str],
     instance_type: str,
@@ -203,13 +209,15 @@ def plan(
     dtp = decode_tp or tp
     tps = [tp] * prefill + [dtp] * decode
     placed = _place(n_units, hosts, tps, prefill if separate_roles else None, spec)
-    backends = nixl_backends or (["LIBFABRIC"] if backend == "neuron" else ["UCX"])
+    # Neuron: no forced backend, or it would override the registration fallback (the
+    # memory backend picks LIBFABRIC for HBM, LIBFABRIC or UCX for host mirrors).
+    backends = nixl_backends or ([] if backend == "neuron" else ["UCX"])
 
     roles_on: dict[int, set[str]] = {}
     for i, (h, _) in enumerate(placed):
         roles_on.setdefault(h, set()).add("prefill" if i < prefill else "decode")
 
-    plans = [HostPlan(h) for h in hosts]
+    plans = [HostPlan(h, prelude=neuron_prelude() if backend == "neuron" else []) for h in hosts]
     next_http: dict[int, int] = {}
     next_side: dict[int, int] = {}
     for i, (h, devs) in enumerate(placed):
@@ -248,14 +256,13 @@ def plan(
 
 def _engine_env(backend: str, devs: tuple[int, ...], lnc: int, backends: list[str],
                 shared: bool, staging: str | None) -> dict[str, str]:
+    """One engine's environment; on Neuron every variable is accounted for in
+    NEURON_ENV_VS_AWS_SAMPLE (adopted from AWS's sample, or kept with the reason)."""
     env = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
-    if shared:
+    if shared or backend == "neuron":
         env["FI_EFA_ENABLE_SHM_TRANSFER"] = "0"
     if backend == "neuron":
-        env["NEURON_RT_VISIBLE_CORES"] = _ranges(devs)
-        env["NEURON_LOGICAL_NC_CONFIG"] = str(lnc)
-        if staging:
-            env["KVFERRY_NEURON_STAGING"] = staging
+        env.update(neuron_engine_env(devs, lnc, staging))
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devs))
         env.update(CUDA_KVFERRY_ENV)  # cross-layer KV blocks (see engines.py)
@@ -273,8 +280,9 @@ def _vllm_argv(python: str, model: str, port: int, tp: int, backend: str, host: 
         "side_channel_host": host,
         "side_channel_port": side,
         "lease_control_port": side + tp,  # right after the TP ranks' side-channel ports
-        "nixl_backends": backends,
     }
+    if backends:
+        extra_cfg["nixl_backends"] = backends
     if backend == "neuron" and staging:
         extra_cfg["neuron_staging"] = staging
     kv_cfg = {
@@ -297,6 +305,8 @@ def _check_no_port_clash(plans: list[HostPlan], router_host: str, router_port: i
         used: list[int] = []
         for e in p.engines:
             used += [e.http_port, *range(e.side_channel_port, e.side_channel_port + len(e.devices) + 1)]
+            if "NEURON_RT_ROOT_COMM_ID" in e.env:  # the runtime's collective bootstrap
+                used.append(int(e.env["NEURON_RT_ROOT_COMM_ID"].rsplit(":", 1)[1]))
         if p.host == router_host:
             used.append(router_port)
         if len(used) != len(set(used)):
@@ -335,7 +345,8 @@ def launch(
     nixl_backend: Annotated[list[str] | None, typer.Option(help="NIXL backend(s)")] = None,
     lnc: Annotated[int, typer.Option(help="Neuron logical core config (trn2)")] = 2,
     separate_roles: Annotated[bool, typer.Option(help="never put P and D on one host")] = False,
-    neuron_staging: Annotated[str | None, typer.Option(help="auto | device | host")] = None,
+    neuron_staging: Annotated[str | None, typer.Option(
+        help="Neuron KV registration: auto | device | mapped | host")] = None,
     router_host: Annotated[str | None, typer.Option(help="default: first host")] = None,
     router_port: Annotated[int, typer.Option()] = 8000,
     http_port: Annotated[int, typer.Option(help="first engine HTTP port per host")] = 8100,
@@ -358,6 +369,9 @@ def launch(
                    f"export {SECRET_ENV}={shlex.quote(secret)}")
     for p in plans:
         typer.echo(f"# ---- {p.host} ----")
+        if dry_run:
+            for line in p.prelude:
+                typer.echo(line)
         for c in p.commands():
             typer.echo(c)
         if not dry_run:

@@ -93,7 +93,10 @@ def test_cuda_and_neuron() -> None:
     assert kv_transfer_config(d)["kv_connector_extra_config"]["hardware_backend"] == "cuda"
     n = EngineSpec(role="decode", model="/m", port=2, backend="neuron", devices_per_engine=4)
     env = engine_env(n)
-    assert env["NEURON_RT_VISIBLE_CORES"] == "4-7" and env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"
+    # vllm-neuron's multiprocess worker refuses NEURON_RT_VISIBLE_CORES (same env as launch)
+    assert "NEURON_RT_VISIBLE_CORES" not in env
+    assert env["NEURON_VISIBLE_DEVICES"] == "4-7" and env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"
+    assert env["NEURON_RT_ROOT_COMM_ID"] == "localhost:61238"
     assert kv_transfer_config(n)["kv_connector_extra_config"]["hardware_backend"] == "neuron"
 
 

@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import typer
+from fakes.vllm_neuron_env import VISIBLE_CORES_REFUSED, ccom_root, visible_devices
 from typer.testing import CliRunner
 
-from kvferry.scripts.launch import INSTANCES, PlanError, launch_app, plan, read_hosts
+from kvferry.scripts.launch import (
+    AWS_SAMPLE_ENV,
+    INSTANCES,
+    NEURON_ENV_VS_AWS_SAMPLE,
+    PlanError,
+    launch_app,
+    neuron_prelude,
+    plan,
+    read_hosts,
+)
 
 
 def engines(plans):
@@ -51,14 +64,18 @@ def test_trn2_2p2d_tp16_one_host_shared() -> None:
     plans = plan(["trn-a"], "trn2.48xlarge", 2, 2, 16, "meta-llama/Llama-3.1-8B")
     check_invariants(plans, 64)
     es = engines(plans)
-    assert [e.env["NEURON_RT_VISIBLE_CORES"] for e in es] == ["0-15", "16-31", "32-47", "48-63"]
+    assert [e.env["NEURON_VISIBLE_DEVICES"] for e in es] == ["0-15", "16-31", "32-47", "48-63"]
+    assert [e.env["NEURON_RT_ROOT_COMM_ID"] for e in es] == [
+        "localhost:61234", "localhost:61250", "localhost:61266", "localhost:61282"]
     for e in es:
+        assert "NEURON_RT_VISIBLE_CORES" not in e.env  # vllm-neuron's workers refuse it
         assert e.env["FI_PROVIDER"] == "efa" and e.env["FI_EFA_USE_DEVICE_RDMA"] == "1"
-        assert e.env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"  # P and D share the instance
-        assert e.env["NEURON_LOGICAL_NC_CONFIG"] == "2"
-        assert "CUDA_VISIBLE_DEVICES" not in e.env
+        assert e.env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"
+        assert e.env["NEURON_LOGICAL_NC_CONFIG"] == "2" and e.env["NEURON_RT_MAP_HBM"] == "1"
+        assert e.env["CUDA_VISIBLE_DEVICES"] == ""
         extra = kv_config(e)["kv_connector_extra_config"]
-        assert extra["hardware_backend"] == "neuron" and extra["nixl_backends"] == ["LIBFABRIC"]
+        # no NIXL backend forced: the memory backend's registration fallback picks them
+        assert extra["hardware_backend"] == "neuron" and "nixl_backends" not in extra
         assert e.argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
         assert "--block-size" in e.argv
     assert [e.role for e in es] == ["prefill", "prefill", "decode", "decode"]
@@ -70,7 +87,7 @@ def test_trn2_multi_host_separate_roles_and_lnc1() -> None:
     check_invariants(plans, 64)
     by_host = {p.host: [e.role for e in p.engines] for p in plans}
     assert by_host == {"t0": ["prefill", "prefill"], "t1": ["prefill"], "t2": ["decode"]}
-    assert all("FI_EFA_ENABLE_SHM_TRANSFER" not in e.env for e in engines(plans))
+    assert all(e.env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0" for e in engines(plans))
     router = plans[0].router
     assert router[:2] == ["kvferry", "router"]
     assert router[router.index("--prefill") + 1:router.index("--decode")] == \
@@ -85,7 +102,7 @@ def test_trn2_multi_host_separate_roles_and_lnc1() -> None:
     # LNC=1 exposes all 128 physical cores
     plans = plan(["t0"], "trn2.48xlarge", 1, 1, 64, "m", lnc=1)
     check_invariants(plans, 128)
-    assert [e.env["NEURON_RT_VISIBLE_CORES"] for e in engines(plans)] == ["0-63", "64-127"]
+    assert [e.env["NEURON_VISIBLE_DEVICES"] for e in engines(plans)] == ["0-63", "64-127"]
 
 
 def test_p5en_gpus_ucx_and_libfabric() -> None:
@@ -97,7 +114,7 @@ def test_p5en_gpus_ucx_and_libfabric() -> None:
     for e in es:
         assert e.env["UCX_TLS"] == "srd,cuda_copy,cuda_ipc,sm,self"
         assert e.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # cross-layer KV blocks
-        assert "NEURON_RT_VISIBLE_CORES" not in e.env
+        assert "NEURON_VISIBLE_DEVICES" not in e.env
         extra = kv_config(e)["kv_connector_extra_config"]
         assert extra["hardware_backend"] == "cuda" and extra["nixl_backends"] == ["UCX"]
         assert "--block-size" not in e.argv
@@ -134,7 +151,7 @@ def test_commands_script_and_router_host(tmp_path: Path) -> None:
     assert e.env["KVFERRY_NEURON_STAGING"] == "host"
     assert kv_config(e)["kv_connector_extra_config"]["neuron_staging"] == "host"
     cmd = shlex.split(e.command())
-    assert cmd[0] == "env" and "NEURON_RT_VISIBLE_CORES=0-63" in cmd
+    assert cmd[0] == "env" and "NEURON_VISIBLE_DEVICES=0-63" in cmd
     assert cmd[cmd.index("--kv-transfer-config") + 1] == e.argv[e.argv.index("--kv-transfer-config") + 1]
     script = plans[2].script("s3cr3t")
     assert "export KVFERRY_SECRET=s3cr3t\n" in script
@@ -156,7 +173,9 @@ def test_cli_dry_run_and_scripts(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["launch", "--model", "m", "-i", "trn2.48xlarge", "--hosts", "t0",
                                  "--prefill", "1", "--decode", "1", "--tp", "32", "--dry-run"])
     assert r.exit_code == 0, r.output
-    assert "NEURON_RT_VISIBLE_CORES=32-63" in r.output and "kvferry router" in r.output
+    assert "NEURON_VISIBLE_DEVICES=32-63" in r.output and "kvferry router" in r.output
+    assert "NEURON_RT_VISIBLE_CORES" not in r.output
+    assert "/opt/amazon/efa/lib" in r.output  # the host prelude is printed too
     assert re.search(r"^export KVFERRY_SECRET=[0-9a-f]{32}$", r.output, re.M)
     assert not (tmp_path / "out").exists()
     r = CliRunner().invoke(app, ["launch", "--model", "m", "-i", "p5en.48xlarge", "--hosts", "g0",
@@ -196,3 +215,81 @@ def test_every_host_script_carries_the_one_secret(tmp_path: Path,
     assert "team-secret-1" not in r.output  # written to the scripts, not echoed
     with pytest.raises(PlanError):
         plan(["t0"], "trn2.48xlarge", 1, 1, 32, "m")[0].script("")
+
+
+# -- trn2 plans against vllm-neuron and AWS's sample ------------------------------------------
+TRN2_PLANS = [
+    dict(hosts=["t0"], prefill=2, decode=2, tp=16),
+    dict(hosts=["t0"], prefill=4, decode=4, tp=8),
+    dict(hosts=["t0", "t1"], prefill=3, decode=2, tp=8, decode_tp=32),
+    dict(hosts=["t0"], prefill=1, decode=1, tp=64, lnc=1),
+]
+
+
+@pytest.mark.parametrize("kw", TRN2_PLANS)
+def test_trn2_engines_pass_vllm_neurons_worker_checks(kw) -> None:
+    """Point 1: every engine of a trn2 plan starts under vllm-neuron's multiprocess worker
+    (FAKE of NeuronWorker._get_visible_devices: NEURON_VISIBLE_DEVICES, one core per TP
+    rank, NEURON_RT_VISIBLE_CORES refused), and co-located engines get distinct collective
+    bootstrap addresses, equal to the ones vllm-neuron derives itself."""
+    kw = dict(kw)
+    plans = plan(kw.pop("hosts"), "trn2.48xlarge", model="m", **kw)
+    for p in plans:
+        roots = []
+        for e in p.engines:
+            assert visible_devices(e.env, len(e.devices)) == list(e.devices)
+            assert ccom_root(e.env) == e.env["NEURON_RT_ROOT_COMM_ID"]
+            roots.append(e.env["NEURON_RT_ROOT_COMM_ID"])
+        assert len(roots) == len(set(roots)), p.host
+
+
+def test_the_fake_worker_check_refuses_what_vllm_neuron_refuses() -> None:
+    with pytest.raises(RuntimeError, match=re.escape(VISIBLE_CORES_REFUSED)):
+        visible_devices({"NEURON_RT_VISIBLE_CORES": "0-15"}, 16)
+    with pytest.raises(RuntimeError, match="local_world_size=8"):
+        visible_devices({"NEURON_VISIBLE_DEVICES": "0-3"}, 8)
+
+
+def test_trn2_env_is_accounted_for_against_aws_sample() -> None:
+    """Every variable a trn2 engine gets, and every one AWS's disagg_serve_vllm sample
+    sets, has a one-line decision in launch.py; adopted ones carry the sample's value."""
+    env: dict[str, str] = {}
+    for kw in TRN2_PLANS:
+        kw = dict(kw)
+        for e in engines(plan(kw.pop("hosts"), "trn2.48xlarge", model="m",
+                              neuron_staging="host", **kw)):
+            env.update(e.env)
+    assert set(env) | set(AWS_SAMPLE_ENV) <= set(NEURON_ENV_VS_AWS_SAMPLE)
+    for var, note in NEURON_ENV_VS_AWS_SAMPLE.items():
+        assert re.match(r"(adopted|kept|not adopted)[ :]", note) and len(note) > 30, var
+        if note.startswith("adopted:"):
+            assert env[var] == AWS_SAMPLE_ENV[var], var
+        if note.startswith("not adopted"):
+            assert var not in env, var
+
+
+def test_port_plan_includes_the_neuron_bootstrap_ports() -> None:
+    with pytest.raises(PlanError, match="port ranges overlap"):
+        plan(["t0"], "trn2.48xlarge", 1, 1, 8, "m", http_port=61242)  # decode's root: 61234+8
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("ldconfig") is None,
+                    reason="needs cc and ldconfig")
+def test_neuron_prelude_builds_the_libcuda_stub(tmp_path: Path) -> None:
+    """The script prelude runs: EFA's libfabric first on the loader path, and where
+    libcuda.so.1 is missing, AWS's no-op stub with the three symbols NIXL's plugin links."""
+    script = "\n".join(["set -euo pipefail", *neuron_prelude(), 'echo "$LD_LIBRARY_PATH"'])
+    env = {**os.environ, "HOME": str(tmp_path)}
+    env.pop("LD_LIBRARY_PATH", None)
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip().split(":")
+    assert out[0] == "/opt/amazon/efa/lib"
+    stub = tmp_path / ".cache/kvferry/libcuda-stub/libcuda.so.1"
+    has_libcuda = "libcuda.so.1 " in subprocess.run(["ldconfig", "-p"], capture_output=True,
+                                                    text=True).stdout
+    assert stub.exists() is not has_libcuda
+    if stub.exists():
+        assert out[1] == str(stub.parent)
+        syms = subprocess.run(["nm", "-D", str(stub)], capture_output=True, text=True).stdout
+        for sym in ("cuCtxSetCurrent", "cuDeviceGetPCIBusId", "cuPointerGetAttributes"):
+            assert f" T {sym}" in syms

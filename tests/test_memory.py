@@ -234,3 +234,13 @@ def test_describe_locates_the_heads_in_memory_order(shape, perm, heads_dim, want
     assert {p.heads for p in lay.planes} == {want} and lay.num_heads == 3
     assert KVLayout.from_wire(lay.to_wire()) == lay
     assert CpuBackend().describe({"l": t}, 7, 4).head_signature() is None
+
+
+def test_torch_backends_register_once_and_leave_heads_to_vllm():
+    """The hooks the connector calls around registration: a torch backend registers its
+    layout once (no other way to expose the KV) and leaves the heads dim to vLLM."""
+    lay = CpuBackend().describe({"l": torch.zeros(2, 7, 16)}, 7, 4)
+    calls = []
+    assert CpuBackend().register_with(lay, lambda x: calls.append(x) or "worker") == "worker"
+    assert calls == [lay]
+    assert CpuBackend().kv_heads_dim({"l": torch.zeros(2, 7, 4, 3, 8)}) is None

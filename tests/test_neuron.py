@@ -1,61 +1,73 @@
-"""Neuron path against a fake libnrt compiled from tests/fakes/fake_libnrt.c."""
+"""Neuron path against a FAKE libnrt (tests/fakes/fake_libnrt.c) and CPU stand-in tensors.
+
+The fake is as strict as the real runtime where it matters: device VAs are not host
+memory unless HBM is mapped (NEURON_RT_MAP_HBM=1 at runtime start), a non-HBM address has
+no EFA rail (NRT_FAILURE), and a second nrt_init is refused. The "framework" (the test)
+starts the runtime; kvferry must never do so.
+"""
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import shutil
-import subprocess
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from fakes.nrt_runtime import FakeRuntime, build, host_readable
 
+from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory import DRAM, VRAM, get_backend
 from kvferry.neuron import envcheck, libnrt
 from kvferry.neuron.arrays import NeuronArray
-from kvferry.neuron.backend import NeuronBackend
+from kvferry.neuron.backend import ENV_MAP_HBM, ENV_STAGING, NeuronBackend, RegistrationError
 from kvferry.neuron.libnrt import NrtTensor
 
-FAKE_SRC = Path(__file__).parent / "fakes" / "fake_libnrt.c"
 NB, BS, HEADS, DIM, ES = 8, 4, 2, 16, 2  # num_blocks, block_size, kv heads, head dim, bf16
 BLOCK_BYTES = BS * HEADS * DIM * ES
 
 
-def build_fake(out: Path) -> Path:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc not found: cannot build the fake libnrt (tests/fakes/fake_libnrt.c)")
-    subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(out), str(FAKE_SRC)], check=True)
-    return out
-
-
 @pytest.fixture(scope="session")
-def fake_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("fake_nrt")
-    build_fake(d / "libnrt.so.1")
-    return d
+def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("fake_nrt") / "libnrt.so.1")
 
 
 @pytest.fixture
-def nrt(fake_dir: Path, monkeypatch: pytest.MonkeyPatch) -> libnrt.Libnrt:
-    """The process-wide libnrt, pointed at the fake and initialised."""
-    monkeypatch.setenv(libnrt.ENV_LIBNRT, str(fake_dir / "libnrt.so.1"))
-    libnrt.reset()
-    lib = libnrt.load()
-    lib._initialized = False  # the fake keeps its own state; re-init is idempotent there
-    lib.init()
-    yield lib
+def runtime(fake_lib: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeRuntime]]:
+    """Start the fake runtime the way the framework would (``runtime(map_hbm=...)``) and
+    point kvferry's libnrt at it; every test starts from a fresh runtime."""
+    monkeypatch.setenv(libnrt.ENV_LIBNRT, str(fake_lib))
+    monkeypatch.delenv(ENV_STAGING, raising=False)
+    monkeypatch.setenv(ENV_MAP_HBM, "0")  # start() sets it as the worker does; undone after
+    rt = FakeRuntime(fake_lib)
+
+    def start(map_hbm: bool = False) -> FakeRuntime:
+        rt.reset()
+        libnrt.reset()
+        rt.start(map_hbm=map_hbm)
+        return rt
+
+    yield start
+    rt.reset()
     libnrt.reset()
 
 
 @pytest.fixture
-def fresh_nrt(fake_dir: Path, tmp_path: Path) -> libnrt.Libnrt:
-    """A private copy of the fake (own global state) for lifecycle tests."""
+def nrt(runtime) -> libnrt.Libnrt:
+    """kvferry's binding of a runtime the framework started (HBM not mapped)."""
+    runtime()
+    return libnrt.load()
+
+
+@pytest.fixture
+def private(fake_lib: Path, tmp_path: Path) -> tuple[FakeRuntime, libnrt.Libnrt]:
+    """A private copy of the fake (own global state), not started, for lifecycle tests."""
     path = tmp_path / "libnrt_private.so.1"
-    shutil.copy(fake_dir / "libnrt.so.1", path)
-    return libnrt.Libnrt(str(path))
+    shutil.copy(fake_lib, path)
+    return FakeRuntime(path), libnrt.Libnrt(str(path))
 
 
 def kv_pair(lib: libnrt.Libnrt, vnc: int) -> tuple[NrtTensor, NrtTensor]:
@@ -76,7 +88,14 @@ def read(t: NrtTensor) -> bytes:
     return buf.raw
 
 
-# -- libnrt binding ----------------------------------------------------------------------
+def hnd(num_blocks: int = NB, seed: int = 0) -> torch.Tensor:
+    """A vllm-neuron per-layer KV tensor's shape and dtype, (2, N, H, 32, D) bf16 (a CPU
+    stand-in: no Neuron device here)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, num_blocks, HEADS, 32, DIM, generator=g).to(torch.bfloat16)
+
+
+# -- the fake runtime is as strict as the real one ----------------------------------------
 def test_missing_library_is_precise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(libnrt.ENV_LIBNRT, "/nonexistent/libnrt.so.1")
     libnrt.reset()
@@ -85,32 +104,41 @@ def test_missing_library_is_precise(monkeypatch: pytest.MonkeyPatch) -> None:
     libnrt.reset()
 
 
-def test_lifecycle_status_codes(fresh_nrt: libnrt.Libnrt) -> None:
+def test_lifecycle_and_queries_allowed_before_init(private, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt, lib = private
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-11,20")
+    monkeypatch.setenv(ENV_MAP_HBM, "0")
+    assert lib.total_nc_count() == 64 and lib.visible_nc_count() == 5  # nrt.h: before init
     with pytest.raises(libnrt.NrtStateError, match="NRT_UNINITIALIZED"):
-        fresh_nrt.tensor_allocate(64)
-    fresh_nrt.init()
-    h = fresh_nrt.tensor_allocate(64, vnc=3)
-    assert fresh_nrt.tensor_get_size(h) == 64
-    fresh_nrt.tensor_free(h)
-    fresh_nrt.close()
+        lib.tensor_allocate(64)
+    rt.start()  # the framework starts the runtime
+    h = lib.tensor_allocate(64, vnc=3)
+    assert lib.tensor_get_size(h) == 64
+    lib.tensor_free(h)
+    rt.lib.nrt_close()
     with pytest.raises(libnrt.NrtStateError, match="NRT_CLOSED") as e:
-        fresh_nrt.tensor_allocate(64)
+        lib.tensor_allocate(64)
     assert e.value.status == 14 and e.value.func == "nrt_tensor_allocate"
+    assert not hasattr(lib, "init") and not hasattr(lib, "close")  # kvferry cannot start it
 
 
-def test_status_codes_map_to_exceptions(nrt: libnrt.Libnrt, monkeypatch: pytest.MonkeyPatch,
-                                        fresh_nrt: libnrt.Libnrt) -> None:
+def test_a_second_nrt_init_is_refused(runtime) -> None:
+    rt = runtime()
+    with pytest.raises(RuntimeError, match="returned 1"):  # NRT_FAILURE
+        rt.start()
+    assert rt.init_calls == 2
+
+
+def test_status_codes_map_to_exceptions(nrt: libnrt.Libnrt, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(libnrt.NrtInvalidError, match="NRT_INVALID"):
         nrt.tensor_allocate(0)
     monkeypatch.setenv("FAKE_NRT_MAX_BYTES", "1024")
     with pytest.raises(MemoryError, match="NRT_RESOURCE"):
         nrt.tensor_allocate(4096)
-    monkeypatch.setenv("FAKE_NRT_FAIL_INIT", "6")
     with pytest.raises(libnrt.NrtHardwareError, match="NRT_HW_ERROR"):
-        fresh_nrt.init()
-    monkeypatch.setenv("FAKE_NRT_FAIL_INIT", "777")
+        libnrt.check("nrt_execute", 6)
     with pytest.raises(libnrt.NrtError, match=r"unknown NRT_STATUS \(777\)"):
-        fresh_nrt.init()
+        libnrt.check("nrt_execute", 777)
     h = nrt.tensor_allocate(16)
     buf = ctypes.create_string_buffer(32)
     with pytest.raises(libnrt.NrtInvalidError, match="nrt_tensor_read"):
@@ -118,21 +146,66 @@ def test_status_codes_map_to_exceptions(nrt: libnrt.Libnrt, monkeypatch: pytest.
     nrt.tensor_free(h)
 
 
-def test_va_is_the_memory(nrt: libnrt.Libnrt) -> None:
+def test_device_vas_are_not_host_memory(nrt: libnrt.Libnrt) -> None:
     t = NrtTensor.allocate((4, 8), 1, vnc=2, lib=nrt)
     data = fill(t, 3)
-    assert ctypes.string_at(t.va, t.nbytes) == data  # fake VA == host address
-    assert read(t) == data
+    assert not host_readable(t.va, t.nbytes)  # dereferencing it would fault, as on trn2
+    assert read(t) == data  # the runtime's copy reaches the bytes
     assert nrt.get_attached_efa_bdf(t.va + 5) == "0000:10:1c.0"
+    host = ctypes.create_string_buffer(64)
+    with pytest.raises(libnrt.NrtError, match="NRT_FAILURE") as e:  # nrt.h: not Neuron memory
+        nrt.get_attached_efa_bdf(ctypes.addressof(host))
+    assert e.value.code == libnrt.NrtStatus.FAILURE
     t.free()
     assert t.handle == 0
 
 
-# -- backend -------------------------------------------------------------------------------
-def test_get_backend_neuron_is_lazy_import(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mapped_hbm_vas_are_host_memory(runtime) -> None:
+    rt = runtime(map_hbm=True)
+    lib = libnrt.load()
+    t = NrtTensor.allocate((4, 8), 1, vnc=2, lib=lib)
+    data = fill(t, 5)
+    assert rt.hbm_mapped and host_readable(t.va, t.nbytes)
+    assert ctypes.string_at(t.va, t.nbytes) == data
+    t.free()
+
+
+# -- point 3: kvferry never starts the runtime -------------------------------------------
+def test_kvferry_never_starts_the_runtime(runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """envcheck, describe (which asks libnrt for EFA rails) and the connector's register
+    path run in a worker whose runtime the framework started: no nrt_init of their own."""
+    from fakes.vllm_neuron import FakeNeuronWorker
+    from helpers_http import free_port
+
+    from kvferry.connectors.params import SECRET_ENV
+
+    rt = runtime()
+    lib = libnrt.load()
+    envcheck.run_checks(colocated=True, env={"FI_EFA_USE_DEVICE_RDMA": "1"})
+    assert rt.init_calls == 1
+    b = NeuronBackend(staging="device")
+    b.describe({"l": kv_pair(lib, 4)}, NB, BS)
+    assert b.efa_bdf == {0: "0000:11:1c.0", 1: "0000:11:1c.0"}  # the runtime answered
+    assert rt.init_calls == 1
+
+    monkeypatch.setenv(SECRET_ENV, "never-init")
+    w = FakeNeuronWorker("P-nrt", {"hardware_backend": "neuron", "neuron_staging": "host",
+                                   "nixl_backends": ["UCX"], "side_channel_port": free_port()},
+                         monkeypatch, num_blocks=NB)
+    try:
+        w.register({"layer.0": kv_pair(lib, 0), "layer.1": kv_pair(lib, 1)})
+        assert w.backend.mode == "host" and w.backend.attempts[-1].outcome == "registered"
+    finally:
+        w.close()
+    assert rt.init_calls == 1  # the framework's, nobody else's
+
+
+# -- describe -------------------------------------------------------------------------------
+def test_get_backend_neuron_is_lazy_import() -> None:
     b = get_backend("neuron")
     assert isinstance(b, NeuronBackend)
     assert (b.name, b.mem_type, b.default_nixl_backends) == ("neuron", VRAM, ("LIBFABRIC",))
+    assert b.may_stage and b.copy is None  # auto may end host-staged; default copies
 
 
 def test_describe_kv_pairs(nrt: libnrt.Libnrt) -> None:
@@ -152,6 +225,25 @@ def test_describe_kv_pairs(nrt: libnrt.Libnrt) -> None:
     assert b.rails() == {"0000:10:1c.0", "0000:11:1c.0"}
     assert layout.signature()[0] == BS
     assert [nbytes for nbytes, _fmt in layout.signature()[1]] == [BLOCK_BYTES] * 4
+
+
+def test_torch_tensors_describe_like_vllm_neuron_hands_them() -> None:
+    """Point 2: one HND tensor per layer, as vllm-neuron's runner registers them; the
+    addresses are data_ptr() (what upstream's NixlConnector registers)."""
+    caches = {"l0": hnd(seed=1), "l1": hnd(seed=2)}
+    b = NeuronBackend(staging="device")
+    heads_dim = b.kv_heads_dim(caches)
+    layout = b.describe(caches, NB, 32, heads_dim)
+    block = HEADS * 32 * DIM * ES
+    assert heads_dim == 2 and layout.num_heads == HEADS
+    assert [r.addr for r in layout.regions] == [t.data_ptr() for t in caches.values()]
+    assert all(r.mem_type == VRAM and r.length == 2 * NB * block for r in layout.regions)
+    assert [(p.base, p.stride, p.block_bytes) for p in layout.planes] == [
+        (t[kv].data_ptr(), block, block) for t in caches.values() for kv in (0, 1)]
+    assert b.efa_bdf == {}  # CPU tensors (vllm-neuron's CPU mode): no Neuron rail to ask
+    p = layout.planes[3]  # l1's V plane, block 5: exactly the tensor's bytes
+    want = caches["l1"][1, 5].contiguous().view(torch.uint8).numpy().tobytes()
+    assert ctypes.string_at(p.block_addr(5), p.block_bytes) == want
 
 
 def test_raw_handle_is_size_only(nrt: libnrt.Libnrt) -> None:
@@ -195,16 +287,14 @@ def test_protocol_objects_and_shared_allocation(nrt: libnrt.Libnrt) -> None:
     t.free()
 
 
-def test_efa_bdf_failure_falls_back_to_all_rails(nrt: libnrt.Libnrt, monkeypatch: pytest.MonkeyPatch,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_efa_bdf_failure_falls_back_to_all_rails(nrt: libnrt.Libnrt,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     k, v = kv_pair(nrt, 0)
     monkeypatch.setenv("FAKE_NRT_FAIL_EFA", "1")
     b = NeuronBackend(staging="device")
-    with caplog.at_level(logging.WARNING, "kvferry.neuron.backend"):
-        b.describe({"l": (k, v)}, NB, BS)
+    b.describe({"l": (k, v)}, NB, BS)
     assert b.efa_bdf == {0: None, 1: None} and b.rails() is None
-    assert "using all rails" in caplog.text and "NRT_FAILURE" in caplog.text
-    # Memory libnrt does not know (not Neuron HBM): NRT_INVALID, also all rails.
+    # Memory libnrt does not know (not Neuron HBM): NRT_FAILURE, also all rails.
     monkeypatch.delenv("FAKE_NRT_FAIL_EFA")
     host = ctypes.create_string_buffer(NB * 64)
     b.describe({"h": View(ctypes.addressof(host), (NB, 64), 1, 0, NB * 64)}, NB, BS)
@@ -215,6 +305,8 @@ def test_describe_errors(nrt: libnrt.Libnrt) -> None:
     b = NeuronBackend(staging="device")
     with pytest.raises(TypeError, match="not a Neuron KV array"):
         b.describe({"l": object()}, NB, BS)
+    with pytest.raises(TypeError, match="torch tensor on meta"):
+        b.describe({"l": torch.empty(2, NB, 4, device="meta")}, NB, BS)
     k, v = kv_pair(nrt, 0)
     with pytest.raises(ValueError, match="num_blocks=7"):
         b.describe({"l": (k, v)}, 7, BS)
@@ -222,34 +314,92 @@ def test_describe_errors(nrt: libnrt.Libnrt) -> None:
         b.describe({"l": (k, v, k)}, NB, BS)
     with pytest.raises(ValueError, match="allocation"):
         b.describe({"l": View(k.va, (NB * 2, BS, HEADS, DIM), ES, 0, k.nbytes)}, NB * 2, BS)
+    with pytest.raises(ValueError, match="ambiguous"):
+        b.describe({"l": torch.zeros(2, 2, 4)}, 2, BS)
     with pytest.raises(ValueError, match="neuron_staging"):
         NeuronBackend(staging="gpu")
     with pytest.raises(ValueError, match="neuron_staging"):
         NeuronBackend().configure({"neuron_staging": "sometimes"})
 
 
-def test_auto_mode_picks_by_probe(nrt: libnrt.Libnrt, caplog: pytest.LogCaptureFixture) -> None:
-    caches = {"l": kv_pair(nrt, 0)}
-    b = NeuronBackend(staging="auto", probe=lambda: [])
-    assert b.describe(caches, NB, BS).regions[0].mem_type == VRAM and b.mode == "device"
-    b = NeuronBackend(staging="auto", probe=lambda: ["libfabric.so.1 not found"])
-    with caplog.at_level(logging.WARNING):
-        lay = b.describe(caches, NB, BS)
-    assert b.mode == "host" and b.nixl_backends == ("UCX",)
-    assert {r.mem_type for r in lay.regions} == {DRAM}
-    assert "host staging" in caplog.text
-    b.staging.close()
-
-
 def test_configure_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVFERRY_NEURON_STAGING", "host")
+    monkeypatch.setenv(ENV_STAGING, "host")
     assert NeuronBackend().staging_mode == "host"
-    assert NeuronBackend().configure({"neuron_staging": "device"}).staging_mode == "device"
+    b = NeuronBackend().configure({"neuron_staging": "mapped", "nixl_backends": ["UCX"]})
+    assert (b.staging_mode, b.forced_backends, b.may_stage) == ("mapped", ("UCX",), False)
+    assert ConnectorConfig.from_extra({"neuron_staging": "mapped"}).neuron_staging == "mapped"
 
 
-# -- host staging --------------------------------------------------------------------------
-def test_host_staging_round_trip_is_byte_exact(nrt: libnrt.Libnrt,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+# -- point 6: the three registration modes, selectable ----------------------------------------
+def test_each_mode_registers_what_it_says(runtime) -> None:
+    rt = runtime(map_hbm=True)  # as vllm-neuron's worker starts it
+    lib = libnrt.load()
+    caches = {"l": kv_pair(lib, 0)}
+    vas = [t.va for t in caches["l"]]
+    lay = {m: NeuronBackend(staging=m).describe(caches, NB, BS) for m in ("device", "mapped")}
+    assert [(r.addr, r.mem_type) for r in lay["device"].regions] == [(va, VRAM) for va in vas]
+    assert [(r.addr, r.mem_type) for r in lay["mapped"].regions] == [(va, DRAM) for va in vas]
+    assert lay["mapped"].planes == lay["device"].planes  # the same bytes, another mem type
+    assert rt.hbm_mapped and all(host_readable(va, NB * BLOCK_BYTES) for va in vas)
+    host = NeuronBackend(staging="host")
+    mirror = host.describe(caches, NB, BS)
+    assert host.mode == "host" and {r.mem_type for r in mirror.regions} == {DRAM}
+    assert not {r.addr for r in mirror.regions} & set(vas)  # pinned mirrors, not the HBM
+    assert mirror.signature() == lay["device"].signature()
+    host.staging.close()
+
+
+def test_mapped_needs_hbm_mapped(nrt: libnrt.Libnrt) -> None:
+    """Unmapped HBM registered as DRAM would register addresses the host cannot touch."""
+    with pytest.raises(RegistrationError, match="NEURON_RT_MAP_HBM is not 1") as e:
+        NeuronBackend(staging="mapped").describe({"l": kv_pair(nrt, 0)}, NB, BS)
+    assert [(a.mode, a.outcome) for a in e.value.attempts] == [("mapped", "skipped")]
+    b = NeuronBackend(staging="mapped", env={ENV_MAP_HBM: "1"})
+    assert b.describe({"t": hnd()}, NB, 32).regions[0].mem_type == DRAM
+
+
+# -- point 5: registration falls back at engine start ------------------------------------------
+def test_auto_falls_back_to_host_staging_when_nixl_refuses(nrt: libnrt.Libnrt) -> None:
+    """auto on unmapped HBM: mapped is skipped (HBM not mapped), device registration is
+    refused by NIXL (UCX here; LIBFABRIC without FI_HMEM_NEURON on a trn2), host staging
+    registers; every step is recorded."""
+    from kvferry.connectors.transport import Transport
+
+    k, v = kv_pair(nrt, 0)
+    dk, dv = fill(k, 1), fill(v, 2)
+    b = NeuronBackend().configure({"nixl_backends": ["UCX"]})
+    layout = b.describe({"l": (k, v)}, NB, BS)
+    assert b.mode == "device" and layout.regions[0].mem_type == VRAM
+    t = b.register_with(layout, lambda lay: Transport(lay, b.nixl_backends))
+    try:
+        assert [(a.mode, a.backends, a.outcome) for a in b.attempts] == [
+            ("mapped", (), "skipped"), ("device", ("UCX",), "failed"),
+            ("host", ("UCX",), "registered")]
+        assert b.mode == "host" and t.layout is b.staging.layout and t.mem_type == DRAM
+        b.staging.stage_out([1, 6])  # the mirror now holds the device's bytes
+        for plane, data in zip(t.layout.planes, (dk, dv), strict=True):
+            for blk in (1, 6):
+                got = ctypes.string_at(plane.block_addr(blk), BLOCK_BYTES)
+                assert got == data[blk * BLOCK_BYTES:(blk + 1) * BLOCK_BYTES]
+    finally:
+        t.close()
+        b.staging.close()
+
+
+def test_register_with_lets_other_errors_through(nrt: libnrt.Libnrt) -> None:
+    b = NeuronBackend(staging="device")
+    layout = b.describe({"l": kv_pair(nrt, 0)}, NB, BS)
+
+    def bind_fails(lay):  # e.g. the side-channel port is taken: not a registration problem
+        raise OSError("Address already in use")
+
+    with pytest.raises(OSError, match="in use"):
+        b.register_with(layout, bind_fails)
+    assert b.attempts == [] and b.mode == "device"
+
+
+# -- host staging ----------------------------------------------------------------------------
+def test_host_staging_round_trip_is_byte_exact(nrt: libnrt.Libnrt) -> None:
     k, v = kv_pair(nrt, 1)
     dk, dv = fill(k, 1), fill(v, 2)
     b = NeuronBackend(staging="host")
@@ -257,10 +407,8 @@ def test_host_staging_round_trip_is_byte_exact(nrt: libnrt.Libnrt,
     st = b.staging
     assert b.mode == "host" and all(r.mem_type == DRAM for r in lay.regions)
     assert b.efa_bdf == {0: "0000:10:1c.0", 1: "0000:10:1c.0"}  # rail of the mirrored HBM
-    with caplog.at_level(logging.INFO, "kvferry.neuron.staging"):
-        nbytes, ms = st.stage_out([5, 1, 2])
-    assert nbytes == 2 * 3 * BLOCK_BYTES and ms >= 0
-    assert f"d2h: {nbytes} bytes" in caplog.text
+    nbytes, ms = st.stage_out([5, 1, 2])
+    assert nbytes == 2 * 3 * BLOCK_BYTES and ms >= 0 and st.stats.last["bytes"] == nbytes
     for plane, data in zip(lay.planes, (dk, dv), strict=True):
         for blk in range(NB):
             got = ctypes.string_at(plane.block_addr(blk), BLOCK_BYTES)
@@ -281,6 +429,31 @@ def test_host_staging_round_trip_is_byte_exact(nrt: libnrt.Libnrt,
     st.close()
 
 
+def test_host_staging_copies_torch_tensors_by_default() -> None:
+    """Point 5: get_backend("neuron") stages vllm-neuron's torch tensors with no injected
+    copy function (Tensor.copy_ both ways)."""
+    t = hnd(seed=3)
+    before = t.clone()
+    b = get_backend("neuron").configure({"neuron_staging": "host"})
+    lay = b.describe({"l": t}, NB, 32, b.kv_heads_dim({"l": t}))
+    st = b.staging
+    try:
+        st.stage_out([2, 7])
+        for kv, plane in enumerate(lay.planes):
+            for blk in range(NB):
+                got = ctypes.string_at(plane.block_addr(blk), plane.block_bytes)
+                want = t[kv, blk].contiguous().view(torch.uint8).numpy().tobytes()
+                assert (got == want) is (blk in (2, 7)), (kv, blk)
+        ctypes.memset(lay.planes[1].block_addr(4), 0x5A, lay.planes[1].block_bytes)
+        st.stage_in([4])  # a peer wrote V block 4 of the mirror (K's mirror block 4 is zero)
+        assert torch.equal(t[1, 4].view(torch.uint8), torch.full_like(t[1, 4].view(torch.uint8), 0x5A))
+        assert not t[0, 4].any()
+        others = [i for i in range(NB) if i != 4]
+        assert torch.equal(t[:, others], before[:, others])
+    finally:
+        st.close()
+
+
 def test_host_staging_injected_copy(nrt: libnrt.Libnrt) -> None:
     calls = []
     host = ctypes.create_string_buffer(NB * 64)
@@ -292,17 +465,17 @@ def test_host_staging_injected_copy(nrt: libnrt.Libnrt) -> None:
     b.staging.close()
 
 
-def test_fall_back_to_host_after_describe(nrt: libnrt.Libnrt) -> None:
-    b = NeuronBackend(staging="device")
-    b.describe({"l": kv_pair(nrt, 0)}, NB, BS)
-    lay = b.fall_back_to_host("fi_mr_regattr failed")
-    assert b.mode == "host" and lay.regions[0].mem_type == DRAM
-    b.staging.close()
+def test_host_mode_without_a_copy_path_is_refused() -> None:
+    host = ctypes.create_string_buffer(NB * 64)
+    with pytest.raises(RegistrationError, match="no copy path"):
+        NeuronBackend(staging="host").describe(
+            {"x": View(ctypes.addressof(host), (NB, 64), 1, 0, NB * 64)}, NB, BS)
 
 
 # -- envcheck ------------------------------------------------------------------------------
 def test_envcheck_findings(nrt: libnrt.Libnrt, tmp_path: Path) -> None:
-    assert envcheck.check_libnrt().status == envcheck.OK
+    f = envcheck.check_libnrt()
+    assert f.status == envcheck.OK and "64 NeuronCores" in f.detail  # asked before/without init
     f = envcheck.check_libfabric("/nonexistent/libfabric.so.1")
     assert f.blocking and "unusable" in f.detail and "EFA installer" in f.fix
     bad = envcheck.check_shm(True, {})
@@ -310,6 +483,8 @@ def test_envcheck_findings(nrt: libnrt.Libnrt, tmp_path: Path) -> None:
     assert envcheck.check_shm(True, {"FI_EFA_ENABLE_SHM_TRANSFER": "0"}).status == envcheck.OK
     assert envcheck.check_shm(False, {}).status == envcheck.OK
     assert "FI_EFA_USE_DEVICE_RDMA=1" in envcheck.check_hmem({}).fix
+    assert envcheck.check_map_hbm({"NEURON_RT_MAP_HBM": "1"}).status == envcheck.OK
+    assert envcheck.check_map_hbm({}).status == envcheck.WARN
     sysfs = tmp_path / "ib"
     (sysfs / "rdmap16s27" / "device").mkdir(parents=True)
     (tmp_path / "drivers" / "efa").mkdir(parents=True)
@@ -331,23 +506,12 @@ def test_envcheck_main_exit_code(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert envcheck.main(["--json"]) == 0
 
 
-def test_init_order_runs_runtime_first(nrt: libnrt.Libnrt, monkeypatch: pytest.MonkeyPatch) -> None:
-    nrt._initialized = False
-    monkeypatch.setattr(envcheck, "find_library", lambda *a, **k: None)
-    lib, path = envcheck.init_order()
-    assert lib is nrt and nrt.initialized and path is None
-    monkeypatch.setattr(envcheck, "libfabric_loaded", lambda: "/usr/lib/libfabric.so.1")
-    nrt._initialized = False
-    with pytest.raises(RuntimeError, match="before nrt_init"):
-        envcheck.init_order()
-    assert envcheck.check_init_order().blocking
-
-
 def test_real_host_report_runs(nrt: libnrt.Libnrt) -> None:
     """The full report on this machine: every check answers, nothing raises."""
     findings = envcheck.run_checks(colocated=True, env={"FI_EFA_USE_DEVICE_RDMA": "1"})
     names = [f.check for f in findings]
-    assert names[:2] == ["libnrt", "init-order"] and "libfabric" in names and "efa-shm" in names
+    assert names[0] == "libnrt" and "libfabric" in names and "efa-shm" in names
+    assert "map-hbm" in names and "init-order" not in names
     assert all(f.status in (envcheck.OK, envcheck.MISSING, envcheck.WARN) for f in findings)
 
 
@@ -361,3 +525,18 @@ def test_unresolved_names_missing_libraries_and_symbol_versions() -> None:
            "\tlibcuda.so.1 => not found\n")
     assert envcheck.unresolved(ldd) == ["FABRIC_1.10 (not in libfabric.so.1)", "libcuda.so.1"]
     assert envcheck.unresolved("\tlibc.so.6 => /lib/libc.so.6 (0x1)\n") == []
+
+
+@pytest.mark.parametrize(("mode", "stages"), [("auto", True), ("host", True),
+                                              ("device", False), ("mapped", False)])
+def test_only_modes_that_may_stage_turn_leases_off(mode: str, stages: bool) -> None:
+    """The scheduler grants decode leases unless KV may be host-staged: device VRAM and
+    mapped HBM are registered in place, so a leased block is what D decoded."""
+    from types import SimpleNamespace
+
+    from kvferry.connectors.connector import KvferryConnector
+
+    fake_self = SimpleNamespace(
+        cfg=SimpleNamespace(hardware_backend="neuron"),
+        _kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"neuron_staging": mode}))
+    assert KvferryConnector._host_staging_possible(fake_self) is stages

@@ -1,46 +1,43 @@
-"""Real NIXL transfers between fake-"device" Neuron regions (two agents, one process).
+"""Real NIXL transfers between FAKE-"device" Neuron regions (two agents, one process).
 
-The fake libnrt hands out host memory, so UCX can move it as DRAM: this shows that the
-regions/planes NeuronBackend builds address exactly the right bytes, with a real NIXL
-READ, on both the device path and the host-staged path. The LIBFABRIC variant (what
-Neuron HBM really uses) needs libfabric >= 1.21 and skips with the reason otherwise.
+The fake runtime is started with HBM mapped (NEURON_RT_MAP_HBM=1, as vllm-neuron's worker
+starts it), so its device VAs are host-mapped and UCX can move them as DRAM: the
+mapped-HBM registration mode of AWS's sample. This shows that the regions/planes
+NeuronBackend builds address exactly the right bytes, with a real NIXL READ, in the
+mapped and the host-staged modes. The device (VRAM, LIBFABRIC with FI_HMEM_NEURON)
+variant needs a usable LIBFABRIC plugin and skips with the reason otherwise.
 """
 
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
+from fakes.nrt_runtime import FakeRuntime, build, host_readable
 
-from kvferry.connectors.memory import DRAM, KVLayout
+from kvferry.connectors.memory import DRAM, VRAM, KVLayout
 from kvferry.neuron import envcheck, libnrt
 from kvferry.neuron.backend import NeuronBackend
 from kvferry.neuron.libnrt import NrtTensor
 
 nixl_api = pytest.importorskip("nixl._api")
 
-FAKE_SRC = Path(__file__).parent / "fakes" / "fake_libnrt.c"
 NB, BS, HEADS, DIM, ES = 8, 16, 2, 32, 2
 BLOCK_BYTES = BS * HEADS * DIM * ES
 
 
 @pytest.fixture(scope="module")
 def nrt(tmp_path_factory: pytest.TempPathFactory):
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc not found: cannot build the fake libnrt (tests/fakes/fake_libnrt.c)")
-    out = tmp_path_factory.mktemp("fake_nrt_nixl") / "libnrt.so.1"
-    subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(out), str(FAKE_SRC)], check=True)
+    out = build(tmp_path_factory.mktemp("fake_nrt_nixl") / "libnrt.so.1")
     mp = pytest.MonkeyPatch()
     mp.setenv(libnrt.ENV_LIBNRT, str(out))
+    mp.setenv("NEURON_RT_MAP_HBM", "1")
     libnrt.reset()
-    lib = libnrt.load()
-    lib.init()
-    yield lib
+    rt = FakeRuntime(out)
+    rt.start(map_hbm=True)  # the framework's start, HBM mapped as vllm-neuron's worker does
+    yield libnrt.load()
+    rt.reset()
     libnrt.reset()
     mp.undo()
 
@@ -75,19 +72,22 @@ def agents(backend: str = "UCX"):
 
 
 def register(agent, layout: KVLayout) -> None:
-    # Fake HBM is host memory: register as DRAM (real HBM goes through LIBFABRIC as VRAM).
-    agent.register_memory([(r.addr, r.length, r.device_id, "") for r in layout.regions], DRAM)
+    """Register the layout as the backend described it (DRAM for mapped/host, VRAM for
+    device)."""
+    agent.register_memory([(r.addr, r.length, r.device_id, "") for r in layout.regions],
+                          layout.regions[0].mem_type)
 
 
 def read_blocks(d, p, p_layout: KVLayout, d_layout: KVLayout, p_ids: list[int], d_ids: list[int]) -> None:
     """D READs P's blocks p_ids into its blocks d_ids, every plane, one NIXL request."""
+    mem = d_layout.regions[0].mem_type, p_layout.regions[0].mem_type
     local, remote = [], []
     for pp, dp in zip(p_layout.planes, d_layout.planes, strict=True):
         assert pp.block_bytes == dp.block_bytes
         for pb, db in zip(p_ids, d_ids, strict=True):
             local.append((dp.block_addr(db), dp.block_bytes, d_layout.regions[dp.region].device_id))
             remote.append((pp.block_addr(pb), pp.block_bytes, p_layout.regions[pp.region].device_id))
-    h = d.initialize_xfer("READ", d.get_xfer_descs(local, DRAM), d.get_xfer_descs(remote, DRAM),
+    h = d.initialize_xfer("READ", d.get_xfer_descs(local, mem[0]), d.get_xfer_descs(remote, mem[1]),
                           p.name, b"kv-done")
     assert d.transfer(h) in ("PROC", "DONE")
     deadline = time.monotonic() + 20
@@ -113,11 +113,13 @@ def snapshot(caches) -> dict[str, bytes]:
     return {f"{layer}{id(t)}": dev_bytes(t) for layer, kv in caches.items() for t in kv}
 
 
-def test_nixl_read_between_fake_device_regions(nrt: libnrt.Libnrt) -> None:
+def test_nixl_read_between_mapped_hbm_regions(nrt: libnrt.Libnrt) -> None:
     p_caches, d_caches = engine(nrt, 1, vnc=0), engine(nrt, 100, vnc=8)
-    pb, db = NeuronBackend(staging="device"), NeuronBackend(staging="device")
+    pb, db = NeuronBackend(staging="mapped"), NeuronBackend(staging="mapped")
     p_lay, d_lay = pb.describe(p_caches, NB, BS), db.describe(d_caches, NB, BS)
     assert p_lay.signature() == d_lay.signature()
+    assert {r.mem_type for r in p_lay.regions} == {DRAM}
+    assert all(host_readable(r.addr, r.length) for r in p_lay.regions + d_lay.regions)
     assert set(db.efa_bdf.values()) == {"0000:12:1c.0"}  # vnc 8 -> third rail in the fake
     p, d = agents()
     register(p, p_lay)
@@ -169,6 +171,7 @@ def test_nixl_libfabric_read(nrt: libnrt.Libnrt) -> None:
     p_caches, d_caches = engine(nrt, 3, vnc=0), engine(nrt, 50, vnc=4)
     p_lay = NeuronBackend(staging="device").describe(p_caches, NB, BS)
     d_lay = NeuronBackend(staging="device").describe(d_caches, NB, BS)
+    assert {r.mem_type for r in p_lay.regions} == {VRAM}
     p, d = agents("LIBFABRIC")
     register(p, p_lay)
     register(d, d_lay)

@@ -10,14 +10,12 @@ arrive byte-exact on the peer's device arrays while every other block stays unto
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
+from fakes.nrt_runtime import FakeRuntime, build
 from helpers_http import free_port
 
 from kvferry.connectors.config import ConnectorConfig
@@ -32,7 +30,6 @@ from kvferry.neuron.libnrt import NrtTensor
 pytest.importorskip("nixl._api")
 pytestmark = pytest.mark.timeout(90)
 
-FAKE_SRC = Path(__file__).parent / "fakes" / "fake_libnrt.c"
 NB, BS, HEADS, DIM, ES = 8, 16, 2, 32, 2
 BLOCK_BYTES = BS * HEADS * DIM * ES
 PROMPT = list(range(1, 40))  # 39 tokens -> 3 blocks
@@ -41,20 +38,19 @@ P_BLOCKS, D_BLOCKS = [5, 1, 6], [0, 7, 3]
 
 @pytest.fixture(scope="module")
 def nrt(tmp_path_factory: pytest.TempPathFactory):
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc not found: cannot build the fake libnrt (tests/fakes/fake_libnrt.c)")
-    out = tmp_path_factory.mktemp("fake_nrt_staged") / "libnrt.so.1"
-    subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(out), str(FAKE_SRC)], check=True)
+    """The FAKE runtime, started by the "framework" with HBM not mapped: device VAs are
+    not host memory, so every byte must go through the host mirrors."""
+    out = build(tmp_path_factory.mktemp("fake_nrt_staged") / "libnrt.so.1")
     mp = pytest.MonkeyPatch()
     mp.setenv(libnrt.ENV_LIBNRT, str(out))
+    mp.setenv("NEURON_RT_MAP_HBM", "0")
     libnrt.reset()
-    lib = libnrt.load()
-    lib.init()
-    yield lib
+    rt = FakeRuntime(out)
+    rt.start(map_hbm=False)
+    yield libnrt.load()
+    rt.reset()
     libnrt.reset()
     mp.undo()
-
 
 
 def dev_bytes(t: NrtTensor) -> bytes:
