@@ -5,14 +5,20 @@ kvferry.router.flow), GET /v1/models (proxied from a decode engine), GET /health
 (`?deep=true` also probes every engine), GET /metrics (Prometheus).
 Per-request mode: header `x-kvferry-mode` or body field `kvferry_mode`, else the default.
 Push needs the prefill engines' side-channel addresses (RouterSettings.prefill_kv_addrs).
+
+Fleet (see `fleet.py`, `state.py`): conversation state in memory or Redis, engines from a
+file as well as the static lists, health probes that eject and re-admit engines; `serve`
+drains on SIGTERM (stops accepting, finishes in-flight streams, bounded, exits 0).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -25,6 +31,7 @@ from kvferry.connectors.params import SECRET_ENV, secret
 from . import bodies
 from .conversations import Conversations, LeaseUnavailable
 from .errors import RouterError, error_body, from_status, from_transport
+from .fleet import Fleet
 from .flow import FlowContext, forward_headers, run_request
 from .metrics import RouterMetrics
 from .settings import MODES, Mode, RouterSettings
@@ -53,8 +60,12 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     engines and salts tenant ids.
     """
     metrics = RouterMetrics()
-    prefill = UpstreamPool("prefill", settings.prefill_urls, metrics.in_flight)
-    decode = UpstreamPool("decode", settings.decode_urls, metrics.in_flight)
+    pool_kw: dict[str, Any] = {"allow_empty": settings.discovers,
+                               "eject_after": settings.eject_after, "metrics": metrics}
+    prefill = UpstreamPool("prefill", settings.prefill_urls, metrics.in_flight, **pool_kw)
+    decode = UpstreamPool("decode", settings.decode_urls, metrics.in_flight, **pool_kw)
+    fleet = Fleet(settings, prefill, decode, metrics)
+    fleet.reload()  # the engines file's engines serve the very first request
     holder: dict[str, FlowContext] = {}
     key = secret() if secret_key is None else secret_key
     if settings.reuse_available and not key:
@@ -75,7 +86,20 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
             holder["ctx"] = FlowContext(client, settings, prefill, decode, metrics,
                                         conversations=conversations)
+            loops = []
+            if settings.engines_file:
+                loops.append(fleet.watch())
+            if settings.prefill_dns or settings.decode_dns:
+                loops.append(fleet.watch_dns())
+            if settings.health_interval_s > 0:
+                loops.append(fleet.probe_loop(client))
+            if settings.state != "memory":
+                loops.append(_every(5.0, conversations.refresh_size))
+            tasks = [asyncio.create_task(c) for c in loops]
             yield
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await conversations.close()
             pending = list(holder["ctx"].background)
             for task in pending:
@@ -86,6 +110,9 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.conversations = conversations
+    app.state.fleet = fleet
+    app.state.draining = False
+    app.state.pools = {"prefill": prefill, "decode": decode}
 
     async def handle(request: Request, endpoint: str, path: str) -> Response:
         ctx = holder["ctx"]
@@ -120,7 +147,11 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     async def models(request: Request) -> Response:
         """D serves the answers, so D's model list is the one clients must see."""
         ctx = holder["ctx"]
-        with decode.lease() as d:
+        try:
+            d = decode.choose()
+        except RouterError as err:
+            return err.response()
+        with decode.lease(d):
             try:
                 resp = await ctx.client.get(
                     d.url + "/v1/models",
@@ -143,12 +174,15 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
 
     @app.get("/health")
     async def health(deep: bool = False) -> JSONResponse:
-        """Router liveness; with deep=true, 503 unless every engine's /health is 200."""
-        out: dict[str, Any] = {
-            "status": "ok",
-            "prefill": [{"url": u.url, "in_flight": u.in_flight} for u in prefill.upstreams],
-            "decode": [{"url": u.url, "in_flight": u.in_flight} for u in decode.upstreams],
-        }
+        """Router liveness (503 while draining); with deep=true, 503 unless every
+        engine's /health is 200."""
+        def view(pool: UpstreamPool) -> list[dict[str, Any]]:
+            return [{"url": u.url, "in_flight": u.in_flight, "ejected": not u.healthy}
+                    for u in pool.upstreams]
+
+        out: dict[str, Any] = {"status": "ok", "prefill": view(prefill), "decode": view(decode)}
+        if app.state.draining:
+            return JSONResponse({**out, "status": "draining"}, status_code=503)
         if not deep:
             return JSONResponse(out)
         ctx = holder["ctx"]
@@ -169,7 +203,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     @app.get("/v1/kvferry/conversations/{conversation_id}")
     async def conversation(conversation_id: str, request: Request) -> JSONResponse:
         """Where the conversation's KV is leased (this API key's conversations only)."""
-        _, entry = conversations.lookup(conversation_id, request.headers)
+        _, entry = await conversations.find(conversation_id, request.headers)
         if entry is None:
             return JSONResponse(error_body("no live lease for this conversation", 404,
                                            "not_found_error"), status_code=404)
@@ -207,9 +241,35 @@ def _entry_json(entry: Any) -> dict[str, Any]:
             "expiry": entry.expiry, "num_tokens": entry.num_tokens}
 
 
+async def _every(period_s: float, fn: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        await fn()
+        await asyncio.sleep(period_s)
+
+
 def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
-    """Run the router under uvicorn (blocking)."""
+    """Run the router under uvicorn (blocking) until SIGINT, or SIGTERM: then drain.
+
+    Draining is uvicorn's graceful shutdown (listener closed, in-flight requests and
+    streams finish, bounded by ``drain_timeout_s``); the process then exits 0, as an
+    orchestrator expects of a replica it asked to stop.
+    """
     import uvicorn
 
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    app = create_app(settings)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if sig == signal.SIGTERM:
+                app.state.draining = True
+                app.state.metrics.draining.set(1)
+                log.info("SIGTERM: draining (up to %.0f s for in-flight requests)",
+                         settings.drain_timeout_s)
+                self.should_exit = True  # not re-raised at exit: a drained router exits 0
+                return
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=settings.drain_timeout_s)
+    DrainingServer(config).run()

@@ -12,6 +12,11 @@ One turn, seen from the router (see `flow.py` for the legs):
 
 Leases are renewed by `heartbeat` and ended by `end` (or by TTL on D). Entries are scoped
 per tenant, so one API key can never make P read another's blocks.
+
+Entries live in a `state.ConversationState`: this process's registry (``memory``, the
+default) or Redis shared by every replica. With Redis a commit is a write the next turn on
+this replica waits for (`_pending`); a write that fails releases the turn's new lease
+at once, since no replica will ever offer it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from .registry import (
     tenant_of,
 )
 from .settings import RouterSettings
+from .state import ConversationState, MemoryState, open_state
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,11 @@ class Conversations:
         self.settings = settings
         self.metrics = metrics
         self.registry = ConversationRegistry(settings.max_conversations)
+        """This process's entries (``--state memory``; unused with Redis)."""
+        self.state: ConversationState = open_state(settings.state, self.registry, metrics,
+                                                   settings.state_timeout_s,
+                                                   settings.state_retry_s)
+        self._memory = isinstance(self.state, MemoryState)
         self._secret = secret
         self._pending: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -83,14 +94,13 @@ class Conversations:
         pending = self._pending.get((tenant, cid))
         if pending is not None:  # the previous streamed turn is still being recorded
             await asyncio.wait({pending}, timeout=self.settings.connect_timeout_s)
-        entry = self.registry.get(tenant, cid, time.time())
+        entry = await self.state.get(tenant, cid, time.time())
         self._gauge()
         return Turn(tenant, cid, uuid.uuid4().hex, entry)
 
-    def commit_offer(self, turn: Turn, decode_url: str, offer: Any) -> bool:
-        """Record a successful turn's lease offer (D's signed dict); False if unusable."""
+    def _entry_of(self, turn: Turn, decode_url: str, offer: Any) -> ConversationEntry | None:
         if not isinstance(offer, Mapping):
-            return False
+            return None
         try:
             entry = ConversationEntry(
                 decode_url=decode_url, engine_id=str(offer["engine_id"]),
@@ -99,17 +109,37 @@ class Conversations:
         except (KeyError, TypeError, ValueError):
             log.warning("conversation %s: malformed lease offer from %s", turn.conversation_id,
                         decode_url)
+            return None
+        return entry if entry.lease_id == turn.lease_id else None
+
+    def commit_offer(self, turn: Turn, decode_url: str, offer: Any) -> bool:
+        """Record a successful turn's lease offer (D's signed dict); False if unusable.
+        In memory it is recorded now; with Redis the write is pending (see `settled`)."""
+        entry = self._entry_of(turn, decode_url, offer)
+        if entry is None:
             return False
-        if entry.lease_id != turn.lease_id:
-            return False
-        for old in self.registry.update(turn.tenant, turn.conversation_id, entry):
-            self._spawn(self._release(old))
-        self._gauge()
+        if self._memory:
+            self._released(self.registry.update(turn.tenant, turn.conversation_id, entry))
+        else:
+            self._track(turn, self._store(turn, entry))
         return True
 
     def commit_later(self, turn: Turn, decode_url: str) -> None:
         """Streamed turn: fetch D's offer over the control channel, before the next turn."""
-        task = asyncio.create_task(self._fetch_and_commit(turn, decode_url))
+        self._track(turn, self._fetch_and_commit(turn, decode_url))
+
+    async def settled(self, turn: Turn) -> None:
+        """Wait (bounded) until the turn's commit is recorded, so that the next turn, on
+        any replica, finds it. Memory: nothing to wait for here (`begin` waits instead,
+        and only this process can see the entry anyway)."""
+        if self._memory:
+            return
+        pending = self._pending.get(turn.key)
+        if pending is not None:
+            await asyncio.wait({pending}, timeout=self.settings.connect_timeout_s)
+
+    def _track(self, turn: Turn, coro: Any) -> None:
+        task = asyncio.create_task(coro)
         self._pending[turn.key] = task
         self._tasks.add(task)
 
@@ -120,6 +150,17 @@ class Conversations:
 
         task.add_done_callback(done)
 
+    async def _store(self, turn: Turn, entry: ConversationEntry) -> None:
+        released = await self.state.replace(turn.tenant, turn.conversation_id, entry)
+        if released is None:  # not recorded: nobody will offer this lease, free it now
+            released = [entry]
+        self._released(released)
+
+    def _released(self, entries: list[ConversationEntry]) -> None:
+        for old in entries:
+            self._spawn(self._release(old))
+        self._gauge()
+
     async def _fetch_and_commit(self, turn: Turn, decode_url: str) -> None:
         addr = self.settings.decode_control_addr(decode_url)
         if addr is None:
@@ -127,21 +168,31 @@ class Conversations:
         reply = await lease_control.call(*addr, "info", turn.lease_id,
                                          timeout_s=self.settings.connect_timeout_s, key=self._secret)
         if reply.get("ok"):
-            self.commit_offer(turn, decode_url, reply.get("offer"))
+            entry = self._entry_of(turn, decode_url, reply.get("offer"))
+            if entry is not None and self._memory:
+                self._released(self.registry.update(turn.tenant, turn.conversation_id, entry))
+            elif entry is not None:
+                await self._store(turn, entry)
         else:
             log.info("conversation %s: no lease from %s (%s)", turn.conversation_id, decode_url,
                      reply.get("error"))
 
     # -- endpoints ---------------------------------------------------------------------
     def lookup(self, conversation_id: str, headers: Any) -> tuple[str, ConversationEntry | None]:
+        """This process's entry (memory state only; `find` asks whichever state is used)."""
         tenant = tenant_of(api_key_from(headers), self._secret)
         return tenant, self.registry.get(tenant, conversation_id, time.time())
+
+    async def find(self, conversation_id: str, headers: Any
+                   ) -> tuple[str, ConversationEntry | None]:
+        tenant = tenant_of(api_key_from(headers), self._secret)
+        return tenant, await self.state.get(tenant, conversation_id, time.time())
 
     async def heartbeat(self, conversation_id: str, headers: Any, ttl: float | None = None
                         ) -> ConversationEntry | None:
         """Renew the conversation's lease on its D; None if there is nothing to renew.
         `LeaseUnavailable` if D could not say (the entry stays: the lease may be alive)."""
-        tenant, entry = self.lookup(conversation_id, headers)
+        tenant, entry = await self.find(conversation_id, headers)
         if entry is None:
             return None
         addr = self.settings.decode_control_addr(entry.decode_url)
@@ -151,20 +202,20 @@ class Conversations:
                                          timeout_s=self.settings.connect_timeout_s, key=self._secret)
         if not reply.get("ok"):
             if reply.get("error") in GONE:
-                self.registry.drop(tenant, conversation_id)
+                await self.state.drop(tenant, conversation_id)
                 self._gauge()
                 return None
             raise LeaseUnavailable(f"decode {entry.decode_url}: {reply.get('error')}")
         offer = reply["offer"]
         new = ConversationEntry(entry.decode_url, entry.engine_id, entry.lease_id,
                                 float(offer["expiry"]), entry.num_tokens, dict(offer))
-        self.registry.update(tenant, conversation_id, new)
+        await self.state.replace(tenant, conversation_id, new)
         return new
 
     async def end(self, conversation_id: str, headers: Any) -> bool:
         """End of conversation: forget it and release its blocks on D at once."""
         tenant = tenant_of(api_key_from(headers), self._secret)
-        entry = self.registry.drop(tenant, conversation_id)
+        entry = await self.state.drop(tenant, conversation_id)
         self._gauge()
         if entry is None:
             return False
@@ -188,9 +239,15 @@ class Conversations:
         task.add_done_callback(self._tasks.discard)
 
     def _gauge(self) -> None:
-        self.metrics.conversations.set(self.registry.size)
+        if self._memory:  # Redis: `refresh_size`, periodically (DBSIZE is a round trip)
+            self.metrics.conversations.set(self.registry.size)
+
+    async def refresh_size(self) -> None:
+        if (n := await self.state.size()) is not None:
+            self.metrics.conversations.set(n)
 
     async def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.state.close()

@@ -38,11 +38,12 @@ top-level `kvferry_prefill_ms` field of a JSON answer (only when P has answered 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +172,11 @@ async def run_request(
     turn = None
     if ctx.conversations is not None and ctx.settings.reuse_available:
         turn = await ctx.conversations.begin(body, client_headers)
+        if turn is not None and turn.entry is not None and not ctx.decode.usable(
+                turn.entry.decode_url):
+            # Its D vanished or was ejected: P must not try to read from it; recompute.
+            ctx.metrics.stale_entries.inc()
+            turn.entry = None
     clean = bodies.sanitize(body)
     stream = bodies.wants_stream(clean)
     headers = forward_headers(client_headers, transfer_id)
@@ -181,7 +187,15 @@ async def run_request(
     legs = build_legs(mode, endpoint, clean, transfer_id,
                       p_extra=turn.prefill_params() if turn else None)
     p = ctx.prefill.choose()
-    p_resp, p_secs = await _prefill(ctx, p, path, legs.prefill_body, headers)
+    try:
+        p_resp, p_secs = await _prefill(ctx, p, path, legs.prefill_body, headers)
+    except RouterError as err:
+        # Nothing reached the client yet: one more try on another P.
+        other = _retry_target(ctx, p, err, "pull")
+        if other is None:
+            raise
+        p = other
+        p_resp, p_secs = await _prefill(ctx, p, path, legs.prefill_body, headers)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id,
                     HDR_PREFILL_MS: _ms_str(p_secs)}
     if p_resp.status_code != 200:
@@ -233,9 +247,10 @@ def _commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decod
     if turn is None or conv is None:
         return hooks
 
-    def on_json(params: dict[str, Any] | None) -> None:
+    async def on_json(params: dict[str, Any] | None) -> None:
         if not conv.commit_offer(turn, d.url, (params or {}).get("lease")):
             conv.commit_later(turn, d.url)  # e.g. an engine that keeps params to itself
+        await conv.settled(turn)  # recorded (shared state too) before the client has it
 
     streamed: dict[str, Any] = {}
 
@@ -254,6 +269,28 @@ def _commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decod
     return hooks
 
 
+def _retry_target(ctx: FlowContext, p: Upstream, err: RouterError, mode: str
+                  ) -> Upstream | None:
+    """Another P for a prefill leg that failed on `p` (wire or 5xx), or None."""
+    if err.kind == "no_upstream" or err.status < 500:
+        return None
+    try:
+        other = ctx.prefill.choose(exclude={p.url})
+    except RouterError:
+        return None
+    ctx.metrics.retries.labels(leg="prefill", mode=mode).inc()
+    log.warning("prefill %s failed (%s); retrying on %s", p.url, err.message, other.url)
+    return other
+
+
+def _passive(pool: UpstreamPool, up: Upstream, ok: bool) -> None:
+    """Requests count toward an engine's health like probes do."""
+    if ok:
+        pool.answered(up)
+    elif pool.failed(up):
+        log.warning("%s %s ejected after %d failed requests", pool.role, up.url, up.failures)
+
+
 async def _prefill(
     ctx: FlowContext, p: Upstream, path: str, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[httpx.Response, float]:
@@ -268,9 +305,11 @@ async def _prefill(
                 p.url + path, content=bodies.encode(body), headers=_json(headers),
                 timeout=ctx.timeout("prefill"))
         except httpx.HTTPError as exc:
+            _passive(ctx.prefill, p, False)
             raise from_transport(exc, "prefill", p.url) from exc
     secs = time.perf_counter() - t0
     ctx.metrics.prefill_seconds.observe(secs)
+    _passive(ctx.prefill, p, resp.status_code < 500)
     if resp.status_code >= 500:
         raise from_status(resp.status_code, resp.text, "prefill", p.url)
     return resp, secs
@@ -301,12 +340,16 @@ async def _decode(
         try:
             resp = await ctx.client.send(req, stream=True)
         except httpx.HTTPError as exc:
+            _passive(ctx.decode, d, False)
             raise from_transport(exc, "decode", d.url) from exc
+        _passive(ctx.decode, d, resp.status_code < 500)
         try:
             if resp.status_code >= 400 or not stream:
                 data = await resp.aread()
                 if resp.status_code == 200 and hooks.on_d_params is not None:
-                    hooks.on_d_params(_kv_params_of(data))
+                    recorded = hooks.on_d_params(_kv_params_of(data))
+                    if inspect.isawaitable(recorded):
+                        await recorded
             else:
                 handed_off = True
                 return _stream(ctx, endpoint, resp, d, started, resp_headers, hooks)
@@ -391,7 +434,7 @@ class DecodeHooks:
     chunk_filter: ChunkFilter | None = None
     on_abort: Callable[[], None] | None = None
     on_success: Callable[[], None] | None = None  # stream ended cleanly
-    on_d_params: Callable[[dict[str, Any] | None], None] | None = None  # D's JSON 200 answer
+    on_d_params: Callable[[dict[str, Any] | None], Awaitable[None] | None] | None = None
     on_stream_params: Callable[[dict[str, Any]], None] | None = None  # D's streamed params
 
 @dataclass
@@ -433,15 +476,18 @@ async def _run_push(
     stream: bool,
     started: float,
     turn: Turn | None = None,
+    exclude: frozenset[str] = frozenset(),
 ) -> Response:
     """Push: choose D, then P; send both legs at once; D's answer is the client's.
 
-    A failing P leg is logged and counted but D is left alone: its connector falls back
-    (per kv_load_failure_policy) when P's write never comes. A failing D leg or a client
-    that disconnects cancels the P leg.
+    A P leg that fails (wire or 5xx) before D answered is retried once: D's leg is
+    cancelled and both legs go again, on another P. Once D answered, a failing P is logged
+    and counted but D is left alone: its connector falls back (per
+    kv_load_failure_policy) when P's write never comes. A failing D leg or a client that
+    disconnects cancels the P leg.
     """
     d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
-    p = ctx.prefill.choose()
+    p = ctx.prefill.choose(exclude=exclude)
     prefill_kv = ctx.settings.prefill_kv_addr(p.url)
     if prefill_kv is None:
         raise RouterError(400, f"push needs --prefill-kv for {p.url}", "invalid_request_error",
@@ -452,6 +498,7 @@ async def _run_push(
                       p_extra=turn.prefill_params() if turn else None, d_extra=d_extra)
     assert legs.decode_body is not None
     leg = PushPrefill()
+    p_failed: asyncio.Future[RouterError] = asyncio.get_running_loop().create_future()
 
     def failed(kind: str, detail: str) -> None:
         ctx.metrics.push_prefill_failures.labels(kind=kind).inc()
@@ -464,6 +511,8 @@ async def _run_push(
         except RouterError as err:
             ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
             failed(err.kind, err.message)
+            if not p_failed.done():
+                p_failed.set_result(err)
             return
         if resp.status_code != 200:
             failed(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {resp.text[:300]}")
@@ -487,10 +536,22 @@ async def _run_push(
     hooks = _commit_hooks(ctx, turn, d, DecodeHooks(
         json_fields=leg.json_fields, chunk_filter=InsertBeforeDone(leg.sse_event),
         on_abort=leg.cancel))
+    d_leg = asyncio.create_task(_decode(ctx, endpoint, path, legs.decode_body, headers, stream,
+                                        started, resp_headers, d, hooks))
     try:
-        resp = await _decode(ctx, endpoint, path, legs.decode_body, headers, stream, started,
-                             resp_headers, d, hooks)
+        await asyncio.wait({d_leg, p_failed}, return_when=asyncio.FIRST_COMPLETED)
+        if not d_leg.done() and not exclude:
+            other = _retry_target(ctx, p, p_failed.result(), "push")
+            if other is not None:  # D has answered nothing: start over with another P
+                d_leg.cancel()
+                await asyncio.gather(d_leg, return_exceptions=True)
+                retry_id = uuid.uuid4().hex  # a fresh transfer: D's old one is cancelled
+                return await _run_push(ctx, endpoint, path, clean, retry_id,
+                                       {**headers, "x-request-id": retry_id}, stream, started,
+                                       turn, exclude | {p.url})
+        resp = await d_leg
     except BaseException:
+        d_leg.cancel()
         leg.cancel()
         raise
     if not isinstance(resp, UpstreamStream) and resp.status_code != 200:

@@ -77,6 +77,67 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        # -- fleet: shared state, discovery, health, retries, drain --------------------------
+        self.state_errors = Counter(
+            "kvferry_router_state_errors",
+            "Shared-state (Redis) calls that failed or were skipped while it is down; the "
+            "turn went on without reuse.",
+            ["op", "kind"],
+            registry=self.registry,
+        )
+        self.state_up = Gauge(
+            "kvferry_router_state_up",
+            "1 while the conversation state store answers (always 1 for memory).",
+            registry=self.registry,
+        )
+        self.state_up.set(1)
+        self.upstream_healthy = Gauge(
+            "kvferry_router_upstream_healthy",
+            "1 for an engine that receives work, 0 for an ejected one.",
+            ["role", "upstream"],
+            registry=self.registry,
+        )
+        self.upstreams = Gauge(
+            "kvferry_router_upstreams",
+            "Engines known to the router (static and discovered), by role.",
+            ["role"],
+            registry=self.registry,
+        )
+        self.ejections = Counter(
+            "kvferry_router_ejections",
+            "Engines taken out of rotation after failed health probes or requests.",
+            ["role", "upstream"],
+            registry=self.registry,
+        )
+        self.readmissions = Counter(
+            "kvferry_router_readmissions",
+            "Ejected engines put back after they answered /health again.",
+            ["role", "upstream"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "kvferry_router_retries",
+            "Legs retried on another engine after failing before any byte reached the client.",
+            ["leg", "mode"],
+            registry=self.registry,
+        )
+        self.discovery_changes = Counter(
+            "kvferry_router_discovery_changes",
+            "Engines added or removed by discovery.",
+            ["role", "change"],
+            registry=self.registry,
+        )
+        self.stale_entries = Counter(
+            "kvferry_router_stale_conversations",
+            "Turns whose conversation's decode engine is gone or ejected (recomputed).",
+            registry=self.registry,
+        )
+        self.draining = Gauge(
+            "kvferry_router_draining",
+            "1 once the router stopped accepting requests and finishes those in flight.",
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         """Text exposition format of every metric in this registry."""
         return generate_latest(self.registry)

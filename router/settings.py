@@ -6,19 +6,31 @@ and is validated once at start-up rather than on every request.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 Mode = Literal["pull", "push"]
 MODES: tuple[str, ...] = ("pull", "push")
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """One discovered engine: its role, URL and kvferry addresses."""
+
+    role: Literal["prefill", "decode"]
+    url: str
+    kv_addr: str | None = None  # P's side channel (push)
+    engine_id: str | None = None  # P's KV engine id (vLLM's push connector)
+    control_addr: str | None = None  # D's lease control (reuse)
+
+
 class RouterSettings(BaseModel):
     """Upstreams, transfer mode and timeouts for one router process."""
 
-    prefill_urls: list[str] = Field(min_length=1, description="Base URLs of prefill engines.")
-    decode_urls: list[str] = Field(min_length=1, description="Base URLs of decode engines.")
+    prefill_urls: list[str] = Field(description="Base URLs of prefill engines (static).")
+    decode_urls: list[str] = Field(description="Base URLs of decode engines (static).")
     mode: Mode = Field("pull", description="Default transfer mode when a request names none.")
     prefill_kv_addrs: list[str] = Field(
         default_factory=list,
@@ -51,6 +63,34 @@ class RouterSettings(BaseModel):
         300.0, gt=0, description="Read timeout for the decode leg, per received chunk."
     )
     max_connections: int = Field(1024, gt=0, description="httpx pool size shared by all upstreams.")
+    # -- fleet -------------------------------------------------------------------------
+    state: str = Field("memory", description="Conversation state: `memory` (this process) or "
+                       "a Redis URL (`redis://host:6379/0`) shared by every router replica.")
+    state_timeout_s: float = Field(0.1, gt=0, description="Bound on each Redis call; a slower "
+                                   "or failed call means no reuse for that turn.")
+    state_retry_s: float = Field(1.0, ge=0, description="After a failed Redis call, how long "
+                                 "turns skip Redis before it is tried again.")
+    engines_file: str | None = Field(None, description="JSON file of engines, reloaded when it "
+                                     "changes; its engines join the static ones.")
+    discovery_interval_s: float = Field(2.0, gt=0, description="How often the engines file "
+                                        "is checked for changes.")
+    prefill_dns: list[str] = Field(default_factory=list, description="`name:port` DNS names "
+                                   "of prefill engines (a Kubernetes headless Service: one A "
+                                   "record per ready pod), resolved every dns_interval_s.")
+    decode_dns: list[str] = Field(default_factory=list, description="`name:port` DNS names of "
+                                  "decode engines, as prefill_dns.")
+    prefill_kv_port: int | None = Field(None, gt=0, lt=65536, description="Side-channel port "
+                                        "of every DNS-discovered prefill engine (push).")
+    decode_control_port: int | None = Field(None, gt=0, lt=65536, description="Lease-control "
+                                            "port of every DNS-discovered decode engine (reuse).")
+    dns_interval_s: float = Field(5.0, gt=0, description="How often DNS names are resolved.")
+    health_interval_s: float = Field(5.0, ge=0, description="Period of /health probes of every "
+                                     "engine (0: no probes, passive failure counts only).")
+    eject_after: int = Field(3, gt=0, description="Consecutive failures (probes or requests) "
+                             "that take an engine out of rotation until it answers /health.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight "
+                                   "requests may take to finish before the router exits.")
+    _discovered: dict[str, EngineInfo] = PrivateAttr(default_factory=dict)
 
     @field_validator("prefill_urls", "decode_urls")
     @classmethod
@@ -62,11 +102,7 @@ class RouterSettings(BaseModel):
                 url = url.strip().rstrip("/")
                 if not url:
                     continue
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"upstream URL must start with http:// or https://: {url!r}")
-                out.append(url)
-        if not out:
-            raise ValueError("at least one upstream URL is required")
+                out.append(check_url(url))
         return out
 
     @field_validator("prefill_kv_addrs", "decode_control_addrs")
@@ -82,8 +118,20 @@ class RouterSettings(BaseModel):
                     out.append(addr)
         return out
 
+    @field_validator("state")
+    @classmethod
+    def _check_state(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"state must be memory or a redis:// URL, got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _check_push(self) -> RouterSettings:
+        if not self.discovers and not (self.prefill_urls and self.decode_urls):
+            raise ValueError("at least one upstream URL is required per role (or an engines "
+                             "file, or DNS names)")
+        for name in (*self.prefill_dns, *self.decode_dns):
+            parse_addr(name)
         n_kv, n_p = len(self.prefill_kv_addrs), len(self.prefill_urls)
         if n_kv and n_kv != n_p:
             raise ValueError(
@@ -101,16 +149,27 @@ class RouterSettings(BaseModel):
         return self
 
     @property
+    def discovers(self) -> bool:
+        """True when engines may come and go (an engines file or DNS names)."""
+        return bool(self.engines_file or self.prefill_dns or self.decode_dns)
+
+    def set_discovered(self, engines: dict[str, EngineInfo]) -> None:
+        """Engines found by discovery (url -> addresses); the static lists take precedence."""
+        self._discovered = dict(engines)
+
+    @property
     def push_available(self) -> bool:
         """True when push requests can be served (every P has a side-channel address)."""
-        return bool(self.prefill_kv_addrs)
+        return bool(self.prefill_kv_addrs) or any(
+            e.kv_addr for e in self._discovered.values() if e.role == "prefill")
 
     def prefill_kv_addr(self, prefill_url: str) -> tuple[str, int] | None:
         """(host, port) of the side channel of the P at `prefill_url`, if configured."""
         try:
             i = self.prefill_urls.index(prefill_url)
         except ValueError:
-            return None
+            e = self._discovered.get(prefill_url)
+            return parse_addr(e.kv_addr) if e is not None and e.kv_addr else None
         if i >= len(self.prefill_kv_addrs):
             return None
         return parse_addr(self.prefill_kv_addrs[i])
@@ -121,20 +180,32 @@ class RouterSettings(BaseModel):
         try:
             eid = self.prefill_engine_ids[self.prefill_urls.index(prefill_url)]
         except (ValueError, IndexError):
-            return {}
+            e = self._discovered.get(prefill_url)
+            if e is None or not e.engine_id:
+                return {}
+            eid = e.engine_id
         return {"remote_engine_id": eid, "tp_size": self.prefill_tp_size,
                 "remote_request_id": request_id}
 
     @property
     def reuse_available(self) -> bool:
         """True when conversations get D-side leases (every D has a control address)."""
-        return bool(self.decode_control_addrs)
+        return bool(self.decode_control_addrs) or any(
+            e.control_addr for e in self._discovered.values() if e.role == "decode")
 
     def decode_control_addr(self, decode_url: str) -> tuple[str, int] | None:
         try:
             return parse_addr(self.decode_control_addrs[self.decode_urls.index(decode_url)])
         except (ValueError, IndexError):
-            return None
+            e = self._discovered.get(decode_url)
+            return parse_addr(e.control_addr) if e is not None and e.control_addr else None
+
+
+def check_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"upstream URL must start with http:// or https://: {url!r}")
+    return url
 
 
 def parse_addr(addr: str) -> tuple[str, int]:

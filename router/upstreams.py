@@ -1,16 +1,34 @@
-"""Upstream pools: least-in-flight choice with round-robin tie breaking.
+"""Upstream pools: least-in-flight choice with round-robin tie breaking, over the engines
+that are healthy.
 
 The router runs on one asyncio loop, so choosing and incrementing happen without an await
 in between and need no lock.
+
+Membership changes at run time (discovery, `set_urls`): a vanished engine stops getting
+work at once; requests already holding its `Upstream` finish and release it normally.
+Health: `failed` counts consecutive failures (probes and requests alike) and ejects the
+engine at `eject_after`; `answered` re-admits it. When every engine is ejected the pool
+still chooses among all of them: trying is better than refusing for sure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from prometheus_client import Gauge
+
+from .errors import RouterError
+from .metrics import RouterMetrics
+
+
+class NoUpstream(RouterError):
+    """The pool has no engine at all (discovery found none yet, or all vanished)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(503, f"no {role} engine available", "service_unavailable", role,
+                         "no_upstream")
 
 
 @dataclass
@@ -19,32 +37,107 @@ class Upstream:
 
     url: str
     in_flight: int = 0
+    healthy: bool = True
+    failures: int = 0  # consecutive
 
 
 class UpstreamPool:
     """Picks the upstream with the fewest open requests; ties rotate round-robin."""
 
-    def __init__(self, role: str, urls: list[str], gauge: Gauge | None = None) -> None:
-        if not urls:
+    def __init__(self, role: str, urls: list[str], gauge: Gauge | None = None,
+                 *, allow_empty: bool = False, eject_after: int = 3,
+                 metrics: RouterMetrics | None = None) -> None:
+        if not urls and not allow_empty:
             raise ValueError(f"{role} pool needs at least one URL")
         self.role = role
         self.upstreams = [Upstream(url) for url in urls]
+        self.eject_after = eject_after
         self._next = 0
         self._gauge = gauge
+        self._metrics = metrics
         for up in self.upstreams:
             self._set_gauge(up)
+        self._set_health_gauges()
 
-    def choose(self) -> Upstream:
-        """Least-loaded upstream, scanning from a rotating start so ties spread evenly."""
+    def choose(self, exclude: Collection[str] = ()) -> Upstream:
+        """Least-loaded healthy upstream (not in `exclude`), scanning from a rotating
+        start so ties spread evenly. `NoUpstream` when there is none at all."""
+        ups = [u for u in self.upstreams if u.url not in exclude]
+        if not ups:
+            raise NoUpstream(self.role)
+        healthy = [u for u in ups if u.healthy] or ups
         n = len(self.upstreams)
         best: Upstream | None = None
         for i in range(n):
             up = self.upstreams[(self._next + i) % n]
-            if best is None or up.in_flight < best.in_flight:
+            if up in healthy and (best is None or up.in_flight < best.in_flight):
                 best = up
         assert best is not None
         self._next = (self.upstreams.index(best) + 1) % n
         return best
+
+    def get(self, url: str) -> Upstream | None:
+        return next((u for u in self.upstreams if u.url == url), None)
+
+    def usable(self, url: str) -> bool:
+        """`url` is a member and not ejected (a conversation's KV there is reachable)."""
+        up = self.get(url)
+        return up is not None and up.healthy
+
+    def healthy_count(self, exclude: Collection[str] = ()) -> int:
+        return sum(1 for u in self.upstreams if u.healthy and u.url not in exclude)
+
+    # -- membership and health ---------------------------------------------------------
+    def set_urls(self, urls: list[str]) -> tuple[list[str], list[str]]:
+        """Make the pool exactly `urls` (order kept); returns (added, removed)."""
+        have = {u.url: u for u in self.upstreams}
+        added = [u for u in urls if u not in have]
+        removed = [u for u in have if u not in urls]
+        self.upstreams = [have.get(u) or Upstream(u) for u in dict.fromkeys(urls)]
+        self._next = 0
+        for url in removed:
+            self._forget(url)
+        for up in self.upstreams:
+            if up.url in added:
+                self._set_gauge(up)
+        self._set_health_gauges()
+        return added, removed
+
+    def failed(self, up: Upstream) -> bool:
+        """Count a failure (probe or request); True if it ejected the engine just now."""
+        up.failures += 1
+        if up.healthy and up.failures >= self.eject_after:
+            up.healthy = False
+            if self._metrics is not None:
+                self._metrics.ejections.labels(role=self.role, upstream=up.url).inc()
+            self._set_health_gauges()
+            return True
+        return False
+
+    def answered(self, up: Upstream) -> bool:
+        """The engine answered well; True if that re-admitted it."""
+        up.failures = 0
+        if up.healthy:
+            return False
+        up.healthy = True
+        if self._metrics is not None and up in self.upstreams:
+            self._metrics.readmissions.labels(role=self.role, upstream=up.url).inc()
+        self._set_health_gauges()
+        return True
+
+    def _set_health_gauges(self) -> None:
+        if self._metrics is None:
+            return
+        self._metrics.upstreams.labels(role=self.role).set(len(self.upstreams))
+        for up in self.upstreams:
+            self._metrics.upstream_healthy.labels(role=self.role, upstream=up.url).set(
+                1 if up.healthy else 0)
+
+    def _forget(self, url: str) -> None:
+        for gauge in (self._gauge, self._metrics and self._metrics.upstream_healthy):
+            if gauge is not None:
+                with suppress(KeyError):
+                    gauge.remove(self.role, url)
 
     def choose_sticky(self, preferred: str | None) -> Upstream:
         """`preferred` (where a conversation's KV is) unless it is gone or overloaded."""
@@ -52,8 +145,9 @@ class UpstreamPool:
             return self.choose()
         from .registry import choose_decode
 
-        url = choose_decode(preferred, {u.url: u.in_flight for u in self.upstreams})
-        return next((u for u in self.upstreams if u.url == url), None) or self.choose()
+        url = choose_decode(preferred, {u.url: u.in_flight for u in self.upstreams},
+                            healthy={u.url for u in self.upstreams if u.healthy})
+        return self.get(url) if url is not None else self.choose()
 
     def acquire(self, up: Upstream) -> None:
         """Count a request as open on `up`."""
@@ -76,5 +170,5 @@ class UpstreamPool:
             self.release(chosen)
 
     def _set_gauge(self, up: Upstream) -> None:
-        if self._gauge is not None:
+        if self._gauge is not None and up in self.upstreams:
             self._gauge.labels(role=self.role, upstream=up.url).set(up.in_flight)

@@ -66,8 +66,10 @@ def model(
 
 @app.command()
 def router(
-    prefill: Annotated[list[str], typer.Option(help="Prefill engine URL (repeat or comma-list).")],
-    decode: Annotated[list[str], typer.Option(help="Decode engine URL (repeat or comma-list).")],
+    prefill: Annotated[list[str] | None, typer.Option(
+        help="Prefill engine URL (repeat or comma-list).")] = None,
+    decode: Annotated[list[str] | None, typer.Option(
+        help="Decode engine URL (repeat or comma-list).")] = None,
     host: str = "127.0.0.1",
     port: int = 8000,
     mode: Annotated[str, typer.Option(help="Default transfer mode: pull|push.")] = "pull",
@@ -85,6 +87,31 @@ def router(
     connect_timeout: float = 3.0,
     prefill_timeout: float = 300.0,
     decode_timeout: float = 300.0,
+    state: Annotated[str, typer.Option(
+        envvar="KVFERRY_STATE_URL",  # a URL with a password stays out of the process list
+        help="Conversation state: memory, or a Redis URL (redis://host:6379/0) shared by "
+        "router replicas.")] = "memory",
+    state_timeout: Annotated[float, typer.Option(
+        help="Bound (s) on each Redis call; slower means that turn gets no reuse.")] = 0.1,
+    engines_file: Annotated[Path | None, typer.Option(
+        help="JSON file of engines ({\"prefill\": [...], \"decode\": [...]}), reloaded on "
+        "change; joins --prefill/--decode.")] = None,
+    prefill_dns: Annotated[list[str] | None, typer.Option(
+        help="name:port resolved every --dns-interval; one prefill engine per address "
+        "(a headless Service). Repeatable.")] = None,
+    decode_dns: Annotated[list[str] | None, typer.Option(
+        help="name:port of decode engines, as --prefill-dns. Repeatable.")] = None,
+    prefill_kv_port: Annotated[int | None, typer.Option(
+        help="Side-channel port of DNS-discovered prefill engines (push).")] = None,
+    decode_control_port: Annotated[int | None, typer.Option(
+        help="Lease-control port of DNS-discovered decode engines (reuse).")] = None,
+    dns_interval: Annotated[float, typer.Option(help="Seconds between DNS lookups.")] = 5.0,
+    health_interval: Annotated[float, typer.Option(
+        help="Seconds between /health probes of each engine (0: off).")] = 5.0,
+    eject_after: Annotated[int, typer.Option(
+        help="Consecutive failures that eject an engine until it answers /health.")] = 3,
+    drain_timeout: Annotated[float, typer.Option(
+        help="On SIGTERM, seconds in-flight requests get to finish.")] = 30.0,
     log_level: str = "info",
 ) -> None:
     """Run the OpenAI-compatible router in front of prefill and decode engines."""
@@ -97,12 +124,19 @@ def router(
 
     try:
         settings = RouterSettings(
-            prefill_urls=prefill, decode_urls=decode,
+            prefill_urls=prefill or [], decode_urls=decode or [],
             mode=_choice(mode, ("pull", "push"), "--mode"),  # type: ignore[arg-type]
             prefill_kv_addrs=prefill_kv or [], decode_control_addrs=decode_control or [],
             prefill_engine_ids=prefill_engine_id or [], lease_ttl_s=lease_ttl,
             connect_timeout_s=connect_timeout,
             prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
+            state=state, state_timeout_s=state_timeout,
+            engines_file=str(engines_file) if engines_file else None,
+            prefill_dns=prefill_dns or [], decode_dns=decode_dns or [],
+            prefill_kv_port=prefill_kv_port, decode_control_port=decode_control_port,
+            dns_interval_s=dns_interval,
+            health_interval_s=health_interval, eject_after=eject_after,
+            drain_timeout_s=drain_timeout,
         )
     except ValidationError as exc:
         msgs = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
