@@ -6,6 +6,8 @@ EFA and NIXL environment, unique HTTP and side-channel ports, the vLLM server co
 line with kvferry's ``--kv-transfer-config``, and the ``kvferry router`` command.
 Nothing is executed here: ``kvferry launch --dry-run`` prints; without it, the scripts
 are written out for ``ssh HOST bash -s < script`` (we never ssh on the user's behalf).
+``--target k8s`` writes a Kustomize directory instead (scripts/k8s.py), whose engine
+containers run the engines this module plans (one pod = one host with one engine).
 
 Placement: engines are packed host by host (prefill first), each on a TP-aligned range
 of devices. On Neuron a "device" is a logical NeuronCore (LNC=2 on trn2: 64 per host),
@@ -28,7 +30,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -351,10 +353,38 @@ def launch(
     router_port: Annotated[int, typer.Option()] = 8000,
     http_port: Annotated[int, typer.Option(help="first engine HTTP port per host")] = 8100,
     side_channel_port: Annotated[int, typer.Option(help="first side-channel port per host")] = 5600,
-    out_dir: Annotated[Path | None, typer.Option(help="write HOST.sh scripts here")] = None,
+    out_dir: Annotated[Path | None, typer.Option(
+        help="write HOST.sh scripts (or, with --target k8s, the Kustomize directory) here")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print commands only")] = False,
+    target: Annotated[str, typer.Option(help="ssh (per-host scripts) | k8s (Kustomize dir)")] = "ssh",
+    image: Annotated[str, typer.Option(help="k8s: image with kvferry + vLLM")] = "kvferry:latest",
+    namespace: Annotated[str, typer.Option(help="k8s: namespace")] = "kvferry",
+    neuron_devices: Annotated[str, typer.Option(
+        help="k8s trn2: plugin (aws.amazon.com/neuron + vpc.amazonaws.com/efa) | dra "
+        "(ResourceClaims, AWS's disagg_serve_vllm sample)")] = "plugin",
+    router_replicas: Annotated[int, typer.Option(help="k8s: router replicas (>= 2)")] = 2,
+    redis_url: Annotated[str | None, typer.Option(
+        help="k8s: external Redis for conversation state (default: deploy one)")] = None,
+    service_monitor: Annotated[bool, typer.Option(help="k8s: add a ServiceMonitor")] = False,
+    drain_seconds: Annotated[int, typer.Option(
+        help="k8s: time in-flight streams get when a pod stops")] = 300,
 ) -> None:
-    """Print per-host commands (--dry-run) or write one start script per host."""
+    """Print per-host commands (--dry-run) or write one start script per host; with
+    --target k8s, a Kustomize directory (or, with --dry-run, its files on stdout)."""
+    if target == "k8s":
+        _launch_k8s(dict(instance_type=instance_type, model=model, image=image,
+                         namespace=namespace, prefill=prefill, decode=decode, tp=tp,
+                         decode_tp=decode_tp, lnc=lnc, nixl_backends=nixl_backend or None,
+                         neuron_staging=neuron_staging,
+                         neuron_devices=neuron_devices, router_replicas=router_replicas,
+                         redis_url=redis_url, service_monitor=service_monitor,
+                         drain_s=drain_seconds, http_port=http_port,
+                         side_channel_port=side_channel_port, router_port=router_port),
+                    hardware_backend, out_dir, dry_run)
+        return
+    if target != "ssh":
+        typer.echo(f"error: --target must be ssh or k8s, got {target!r}", err=True)
+        raise typer.Exit(2)
     host_list = read_hosts(hosts, hosts_file)
     try:
         plans = plan(host_list, instance_type, prefill, decode, tp, model, hardware_backend,
@@ -382,3 +412,29 @@ def launch(
             path.chmod(0o700)  # it carries the deployment's secret
             path.write_text(p.script(secret))
             typer.echo(f"# start with: {p.ssh(str(path))}")
+
+
+def _launch_k8s(kw: dict[str, Any], hardware_backend: str | None, out_dir: Path | None,
+                dry_run: bool) -> None:
+    """`--target k8s`: the secret is printed only by --dry-run, else only written."""
+    from .k8s import K8S_VERSION, K8sSettings, dry_run_text, render_all, write_dir  # imports us
+
+    settings = K8sSettings(**kw)
+    spec = INSTANCES.get(settings.instance_type)
+    try:
+        if spec and hardware_backend and hardware_backend != spec.backend:
+            raise PlanError(f"{settings.instance_type} needs hardware backend {spec.backend!r}, "
+                            f"got {hardware_backend!r}")
+        files = render_all(settings, deployment_secret())
+    except (PlanError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if dry_run:
+        typer.echo(dry_run_text(files), nl=False)
+        return
+    d = out_dir or Path("kvferry-k8s")
+    for path in write_dir(d, files):
+        kinds = ", ".join(o["kind"] for m in files if m.filename == path.name for o in m.objects)
+        typer.echo(f"wrote {path} ({kinds})")
+    typer.echo(f"# validated offline against Kubernetes {K8S_VERSION} schemas; apply with: "
+               f"kubectl apply -k {shlex.quote(str(d))}")
