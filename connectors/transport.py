@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Sequence
@@ -58,6 +59,25 @@ def combined(states: Sequence[str]) -> str:
     return "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
 
 
+UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+"""UCX settings every kvferry agent starts with, unless the environment sets them.
+
+UCX's cuda_ipc transport leaves GET (NIXL READ) off by default ("auto: enable get
+operations except for platforms known to have slower performance", libuct_cuda's
+ENABLE_GET_ZCOPY). Measured on one H200 with P and D sharing it (UCX_PROTO_INFO=y): a READ
+between the two processes was then "software emulation | tcp/lo", 2.4-2.6 s per GiB, while
+a WRITE took 1.1 ms; with it on, the READ is "zero-copy | cuda_ipc/cuda", 1.0-1.5 ms per
+GiB, and a pulled 16k-token prompt (1.88 GB) moved in 1.8-4 ms instead of 27 s."""
+
+
+def ucx_defaults() -> dict[str, str]:
+    """Apply UCX_DEFAULTS where unset (UCX reads its environment when an agent's context
+    is created); returns what was set."""
+    out = {k: v for k, v in UCX_DEFAULTS.items() if k not in os.environ}
+    os.environ.update(out)
+    return out
+
+
 def make_agent(name: str, backends: Sequence[str], progress_delay_us: int):
     """A NIXL agent whose progress thread waits up to ``progress_delay_us`` for events.
 
@@ -70,6 +90,7 @@ def make_agent(name: str, backends: Sequence[str], progress_delay_us: int):
     """
     import nixl._api as api  # lazy: heavy native import
 
+    ucx_defaults()
     conf = api.nixl_agent_config(backends=list(backends))
     bind = getattr(api, "nixlBind", None)
     real = getattr(bind, "nixlAgent", None)

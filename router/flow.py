@@ -172,9 +172,9 @@ async def run_request(
     turn = None
     if ctx.conversations is not None and ctx.settings.reuse_available:
         turn = await ctx.conversations.begin(body, client_headers)
-        if turn is not None and turn.entry is not None and not ctx.decode.usable(
+        if turn is not None and turn.entry is not None and not ctx.decode.member(
                 turn.entry.decode_url):
-            # Its D vanished or was ejected: P must not try to read from it; recompute.
+            # Its D left the pool: its KV is gone, P must not try to read it; recompute.
             ctx.metrics.stale_entries.inc()
             turn.entry = None
     clean = bodies.sanitize(body)
@@ -257,14 +257,22 @@ def _commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decod
     def on_stream_params(params: dict[str, Any]) -> None:
         streamed.update(params)
 
+    committed: list[bool] = []
+
     def on_stream_end() -> None:
-        # vLLM 0.33 streams D's params on the last chunk; older versions do not, so the
-        # offer is then fetched over the lease-control channel.
+        # Once, at D's `[DONE]` (before the client has it, so that its next turn, sent the
+        # moment the stream ends, finds the commit under way), else at a clean end. vLLM
+        # 0.33 streams D's params on the last chunk; older versions do not, so the offer is
+        # then fetched over the lease-control channel (D granted it when the request ended).
+        if committed:
+            return
+        committed.append(True)
         if not (streamed and conv.commit_offer(turn, d.url, streamed.get("lease"))):
             conv.commit_later(turn, d.url)
 
     hooks.on_d_params = on_json
     hooks.on_stream_params = on_stream_params
+    hooks.on_stream_done = on_stream_end
     hooks.on_success = on_stream_end
     return hooks
 
@@ -416,7 +424,7 @@ def _stream(
 def _client_filter(hooks: DecodeHooks) -> ChunkFilter:
     """What every D stream passes through on its way to the client: engine-owned fields
     removed first (always), then the hook's own rewriting (push's report event)."""
-    scrub = EngineFieldFilter(hooks.on_stream_params)
+    scrub = EngineFieldFilter(hooks.on_stream_params, hooks.on_stream_done)
     return scrub if hooks.chunk_filter is None else ChainedFilter(scrub, hooks.chunk_filter)
 
 
@@ -436,6 +444,7 @@ class DecodeHooks:
     on_success: Callable[[], None] | None = None  # stream ended cleanly
     on_d_params: Callable[[dict[str, Any] | None], Awaitable[None] | None] | None = None
     on_stream_params: Callable[[dict[str, Any]], None] | None = None  # D's streamed params
+    on_stream_done: Callable[[], None] | None = None  # D's `[DONE]` is about to be forwarded
 
 @dataclass
 class PushPrefill:

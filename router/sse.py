@@ -87,11 +87,14 @@ class EngineFieldFilter:
     forwarded whole: bytes after the last complete event wait for the rest of it (vLLM
     ends each chunk with an event, so nothing waits in practice). Events that mention no
     engine field are forwarded untouched, without parsing. `on_params` receives the first
-    non-empty `kv_transfer_params` seen (D's lease offer, for the conversation registry).
+    non-empty `kv_transfer_params` seen (D's lease offer, for the conversation registry);
+    `on_done` is called once, just before the `data: [DONE]` event is passed on.
     """
 
-    def __init__(self, on_params: Callable[[dict], None] | None = None) -> None:
+    def __init__(self, on_params: Callable[[dict], None] | None = None,
+                 on_done: Callable[[], None] | None = None) -> None:
         self._on_params = on_params
+        self._on_done = on_done
         self._held = b""
         self.scrubbed = 0
         """Events from which a field was removed (a counter tests and metrics read)."""
@@ -102,11 +105,17 @@ class EngineFieldFilter:
         for m in _EVENT_END.finditer(data):
             end = m.end()
         self._held = data[end:]
-        return self._scrub(data[:end])
+        return self._done(self._scrub(data[:end]))
 
     def flush(self) -> bytes:
         out, self._held = self._held, b""
-        return self._scrub(out)
+        return self._done(self._scrub(out))
+
+    def _done(self, data: bytes) -> bytes:
+        if self._on_done is not None and DONE_EVENT in data:
+            done, self._on_done = self._on_done, None
+            done()
+        return data
 
     def _scrub(self, data: bytes) -> bytes:
         if not any(m in data for m in _MARKERS):

@@ -79,10 +79,11 @@ class UpstreamPool:
     def get(self, url: str) -> Upstream | None:
         return next((u for u in self.upstreams if u.url == url), None)
 
-    def usable(self, url: str) -> bool:
-        """`url` is a member and not ejected (a conversation's KV there is reachable)."""
-        up = self.get(url)
-        return up is not None and up.healthy
+    def member(self, url: str) -> bool:
+        """`url` is in the pool, ejected or not. A conversation's KV on an ejected engine
+        may still be readable (an engine that was restarting, or missed probes while busy):
+        P tries, and any failure is a recompute; on an engine that left the pool it is gone."""
+        return self.get(url) is not None
 
     def healthy_count(self, exclude: Collection[str] = ()) -> int:
         return sum(1 for u in self.upstreams if u.healthy and u.url not in exclude)

@@ -256,3 +256,19 @@ def test_idle_agents_do_not_spin(pair):
     time.sleep(2.0)
     used = (time.process_time() - cpu0) / (time.monotonic() - wall0)
     assert used < 0.25, f"idle process used {used:.2f} cores"
+
+
+def test_agents_turn_cuda_ipc_get_on_unless_the_environment_says(monkeypatch) -> None:
+    """Same-GPU READs were emulated over TCP at ~400 MB/s with UCX's default (auto): every
+    agent asks for cuda_ipc GET, and a user's own setting wins."""
+    from kvferry.connectors import transport
+
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    assert transport.ucx_defaults() == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "off")
+    assert transport.ucx_defaults() == {}
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "off"
+    agent = transport.make_agent("ucx-env-test", ["UCX"], 1000)  # a real agent starts with it
+    assert "UCX" in agent.backends
+    del agent
