@@ -91,9 +91,7 @@ class Conversations:
         if cid is None:
             return None
         tenant = tenant_of(api_key_from(headers), self._secret)
-        pending = self._pending.get((tenant, cid))
-        if pending is not None:  # the previous streamed turn is still being recorded
-            await asyncio.wait({pending}, timeout=self.settings.connect_timeout_s)
+        await self._settle(tenant, cid)  # the previous streamed turn is still being recorded
         entry = await self.state.get(tenant, cid, time.time())
         self._gauge()
         return Turn(tenant, cid, uuid.uuid4().hex, entry)
@@ -215,6 +213,7 @@ class Conversations:
     async def end(self, conversation_id: str, headers: Any) -> bool:
         """End of conversation: forget it and release its blocks on D at once."""
         tenant = tenant_of(api_key_from(headers), self._secret)
+        await self._settle(tenant, conversation_id)  # a last streamed turn still recording
         entry = await self.state.drop(tenant, conversation_id)
         self._gauge()
         if entry is None:
@@ -223,6 +222,12 @@ class Conversations:
         return True
 
     # -- internals -----------------------------------------------------------------------
+    async def _settle(self, tenant: str, conversation_id: str) -> None:
+        """Wait (bounded) for the conversation's commit in flight, if any."""
+        pending = self._pending.get((tenant, conversation_id))
+        if pending is not None:
+            await asyncio.wait({pending}, timeout=self.settings.connect_timeout_s)
+
     async def _release(self, entry: ConversationEntry) -> None:
         addr = self.settings.decode_control_addr(entry.decode_url)
         if addr is None:

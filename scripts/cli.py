@@ -28,6 +28,9 @@ from .launch import launch_app
 from .modelgen import SHAPES, write_model
 from .procs import Child, StartupError, died_message, first_dead, stop_all, wait_healthy
 
+STATE_ENV = "KVFERRY_STATE_URL"
+"""Where `kvferry router` (and so `kvferry up`) takes `--state` from when it is not given."""
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvferry: prefill/decode disaggregated serving on vLLM.")
 
@@ -88,7 +91,7 @@ def router(
     prefill_timeout: float = 300.0,
     decode_timeout: float = 300.0,
     state: Annotated[str, typer.Option(
-        envvar="KVFERRY_STATE_URL",  # a URL with a password stays out of the process list
+        envvar=STATE_ENV,  # a URL with a password stays out of the process list
         help="Conversation state: memory, or a Redis URL (redis://host:6379/0) shared by "
         "router replicas.")] = "memory",
     state_timeout: Annotated[float, typer.Option(
@@ -179,6 +182,7 @@ def _up(
     run_demo_after: bool,
     demo_max_tokens: int,
     dry_run: bool,
+    state: str = "memory",
 ) -> int:
     """Shared body of `up` and `run`; returns the process exit code."""
     _choice(hardware_backend, BACKENDS, "--hardware-backend")
@@ -224,8 +228,11 @@ def _up(
     elif mode == "push":  # vLLM's NixlPushConnector: D names P's engine before P answers
         router_argv += ["--prefill-kv", f"{p_spec.host}:{p_spec.side_port}",
                         "--prefill-engine-id", vllm_engine_id(p_spec)]
+    router_env = {SECRET_ENV: secret}
+    if state != "memory":  # as env: a Redis URL may carry a password (`router --state`)
+        router_env[STATE_ENV] = state
     children.append(Child("router", router_argv, logs / "router.log", router_url + "/health",
-                          {SECRET_ENV: secret}))
+                          router_env))
 
     if dry_run:
         for c in children:
@@ -311,12 +318,15 @@ def up(
     demo: Annotated[bool, typer.Option("--demo", help="Run the demo, then stop.")] = False,
     demo_max_tokens: int = 160,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print commands only.")] = False,
+    state: Annotated[str, typer.Option(
+        help="The router's conversation state: memory, or a Redis URL (redis://host:6379/0) "
+        "that other router replicas share.")] = "memory",
 ) -> None:
     """Start 1 prefill + 1 decode vLLM engine and the router; Ctrl-C stops all."""
     raise typer.Exit(_up(ctx, hardware_backend, model_dir, prefill_port, decode_port,
                          router_port, connector, mode, max_model_len, engine_arg or [],
                          ucx_tls, devices_per_engine, decode_devices, startup_timeout, demo,
-                         demo_max_tokens, dry_run))
+                         demo_max_tokens, dry_run, state))
 
 
 @app.command(context_settings=EXTRA)

@@ -144,6 +144,23 @@ def test_dry_run_with_another_decode_tp(tmp_path: Path, monkeypatch: pytest.Monk
     assert "CUDA_VISIBLE_DEVICES=2" in d_cmd and "--tensor-parallel-size" not in d_cmd
 
 
+def test_up_gives_the_router_its_state_url_as_env(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvferry up --state redis://...`: the router shares conversations through Redis; the
+    URL (which may carry a password) goes in the router's environment, not its argv."""
+    monkeypatch.chdir(tmp_path)
+    url = "redis://:pw@127.0.0.1:6390/0"
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--state", url])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    router = lines[lines.index(next(x for x in lines if x.startswith("# router"))) + 1]
+    env, _, argv = router.partition(" /")
+    assert f"KVFERRY_STATE_URL={url}" in env and url not in argv and "--state" not in argv
+    assert "KVFERRY_STATE_URL" not in r.output.replace(router, "")  # engines don't get it
+    plain = runner.invoke(cli.app, ["up", "--dry-run"])
+    assert plain.exit_code == 0 and "KVFERRY_STATE_URL" not in plain.output
+
+
 def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     r = runner.invoke(cli.app, ["--help"])

@@ -265,6 +265,20 @@ def test_end_releases_on_d(d):
     run(go, d.port)
 
 
+def test_end_waits_for_the_last_streamed_turn(d):
+    """A client that ends its conversation right after a streamed turn: the turn's commit
+    (still fetching D's offer) must not land after the end and leave its lease held."""
+    async def go(conv: Conversations) -> None:
+        t1 = await conv.begin(body(), A)
+        d.finish_turn(t1)
+        conv.commit_later(t1, D_URL)  # in flight when the end arrives
+        assert await conv.end("c1", A) is True
+        assert d.reason(t1.lease_id) == "released"
+        assert conv.lookup("c1", A)[1] is None and conv._pending == {}
+
+    run(go, d.port)
+
+
 def test_end_forgets_even_if_d_already_let_go(d):
     async def go(conv: Conversations) -> None:
         t1 = await conv.begin(body(), A)
