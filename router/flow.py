@@ -38,7 +38,6 @@ top-level `kvferry_prefill_ms` field of a JSON answer (only when P has answered 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import time
@@ -355,9 +354,7 @@ async def _decode(
             if resp.status_code >= 400 or not stream:
                 data = await resp.aread()
                 if resp.status_code == 200 and hooks.on_d_params is not None:
-                    recorded = hooks.on_d_params(_kv_params_of(data))
-                    if inspect.isawaitable(recorded):
-                        await recorded
+                    await hooks.on_d_params(_kv_params_of(data))
             else:
                 handed_off = True
                 return _stream(ctx, endpoint, resp, d, started, resp_headers, hooks)
@@ -442,7 +439,7 @@ class DecodeHooks:
     chunk_filter: ChunkFilter | None = None
     on_abort: Callable[[], None] | None = None
     on_success: Callable[[], None] | None = None  # stream ended cleanly
-    on_d_params: Callable[[dict[str, Any] | None], Awaitable[None] | None] | None = None
+    on_d_params: Callable[[dict[str, Any] | None], Awaitable[None]] | None = None
     on_stream_params: Callable[[dict[str, Any]], None] | None = None  # D's streamed params
     on_stream_done: Callable[[], None] | None = None  # D's `[DONE]` is about to be forwarded
 
