@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvferry.connectors import compat, timeline
+from kvferry.connectors import compat
 from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory import get_backend
-from kvferry.connectors.params import SECRET_ENV, secret
-from kvferry.connectors.scheduler import ReuseSettings, StepMeta, TransferScheduler
+from kvferry.connectors.memory.backends import get_backend
+from kvferry.connectors.protocol import timeline
+from kvferry.connectors.protocol.params import SECRET_ENV, secret
+from kvferry.connectors.scheduling.scheduler import ReuseSettings, StepMeta, TransferScheduler
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -111,8 +112,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def _lease_keeper(self, vllm_config: Any, kv_cache_config: Any, tp: int) -> Any:
         """D's leases (bidirectional reuse) and the router's control channel onto them."""
-        from kvferry.connectors.lease_control import ControlServer
-        from kvferry.connectors.lease_keeper import LeaseKeeper
+        from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
+        from kvferry.connectors.transfer.lease_control import ControlServer
 
         cfg = self.cfg
         try:
@@ -190,7 +191,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     # -- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], heads_dim: int | None = None) -> None:
-        from kvferry.connectors.worker import TransferWorker
+        from kvferry.connectors.transfer.worker import TransferWorker
 
         rank = compat.tp_rank()
         n = compat.num_blocks(self._vllm_config, self._kv_cache_config)

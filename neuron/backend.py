@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvferry.connectors.memory import (
+from kvferry.connectors.memory.backends import (
     DRAM,
     VRAM,
     KVLayout,
@@ -104,7 +104,7 @@ class RegistrationError(RuntimeError):
 
 def is_registration_error(e: BaseException) -> bool:
     """Did NIXL refuse the memory or the backend (as opposed to anything else failing)?"""
-    from kvferry.connectors.transport import TransferError
+    from kvferry.connectors.transfer.transport import TransferError
 
     # nixl's bindings raise nixlBackendError / nixlNotFoundError from nixl or nixl_cu12/13
     return isinstance(e, TransferError) or type(e).__module__.startswith("nixl")

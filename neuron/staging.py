@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvferry.connectors.memory import DRAM, KVLayout, Plane, Region
+from kvferry.connectors.memory.backends import DRAM, KVLayout, Plane, Region
 from kvferry.neuron.arrays import DeviceArray, is_torch_tensor
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers in an engine

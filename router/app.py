@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvferry.connectors.params import SECRET_ENV, secret
+from kvferry.connectors.protocol.params import SECRET_ENV, secret
 
 from . import bodies
 from .conversations import Conversations, LeaseUnavailable

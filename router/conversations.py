@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.connectors import lease_control
+from kvferry.connectors.transfer import lease_control
 
 from .metrics import RouterMetrics
 from .registry import (

@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 from starlette.responses import Response
 
-from kvferry.connectors import timeline
+from kvferry.connectors.protocol import timeline
 
 from . import bodies
 from .conversations import Conversations, Turn

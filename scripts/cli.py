@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from kvferry.connectors.params import SECRET_ENV, deployment_secret
+from kvferry.connectors.protocol.params import SECRET_ENV, deployment_secret
 
 from .bench import bench
 from .demo import run_demo

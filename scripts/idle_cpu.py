@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from kvferry.connectors.params import SECRET_ENV
+from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.scripts.bench import git_commit
 from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env
 from kvferry.scripts.modelgen import write_model

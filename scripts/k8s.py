@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from kvferry.connectors.params import SECRET_ENV
+from kvferry.connectors.protocol.params import SECRET_ENV
 
 from .launch import INSTANCES, EnginePlan, InstanceSpec, PlanError, plan
 from .neuron_env import neuron_prelude

@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvferry.connectors.params import SECRET_ENV, deployment_secret
+from kvferry.connectors.protocol.params import SECRET_ENV, deployment_secret
 
 from .engines import CUDA_KVFERRY_ENV
 from .neuron_env import (  # noqa: F401 (re-exported: the plan's Neuron environment)

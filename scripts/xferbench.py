@@ -39,7 +39,7 @@ def _caches(torch: Any, device: str, num_blocks: int, layers: int, fill: bool) -
 
 
 def _backend(device: str):
-    from kvferry.connectors.memory import CpuBackend, CudaBackend
+    from kvferry.connectors.memory.backends import CpuBackend, CudaBackend
 
     return CpuBackend() if device == "cpu" else CudaBackend()
 
@@ -47,7 +47,7 @@ def _backend(device: str):
 def _target(conn, device: str, num_blocks: int, layers: int) -> None:
     import torch
 
-    from kvferry.connectors.transport import Transport
+    from kvferry.connectors.transfer.transport import Transport
 
     if device != "cpu":
         torch.cuda.set_device(0)
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.multiprocessing as mp
 
-    from kvferry.connectors.memory import KVLayout
-    from kvferry.connectors.transport import Transport
+    from kvferry.connectors.memory.backends import KVLayout
+    from kvferry.connectors.transfer.transport import Transport
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 from helpers_http import free_port
 
-from kvferry.connectors.lease import LeaseError
-from kvferry.connectors.lease_control import ControlServer
-from kvferry.connectors.lease_keeper import LeaseKeeper
-from kvferry.connectors.params import SECRET_ENV, parse_lease
+from kvferry.connectors.protocol.lease import LeaseError
+from kvferry.connectors.protocol.params import SECRET_ENV, parse_lease
+from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
+from kvferry.connectors.transfer.lease_control import ControlServer
 from kvferry.router.conversations import Conversations, LeaseUnavailable, Turn
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.registry import ANONYMOUS

@@ -24,7 +24,7 @@ from stack import (
     wait_until,
 )
 
-from kvferry.connectors.params import RemotePrefill, prompt_hash, sign
+from kvferry.connectors.protocol.params import RemotePrefill, prompt_hash, sign
 
 pytestmark = pytest.mark.engine
 

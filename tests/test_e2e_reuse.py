@@ -183,8 +183,8 @@ def test_streamed_turn_is_recorded(stack):
 def test_forged_history_changes_the_answer(stack):
     """Negative control: P handed another prompt's leased blocks (hashes forged to match)
     must answer differently, so the equality checks above really see reused KV."""
-    from kvferry.connectors.params import LeaseOffer, parse_lease, sign_lease
-    from kvferry.connectors.prefix import block_hashes
+    from kvferry.connectors.protocol.params import LeaseOffer, parse_lease, sign_lease
+    from kvferry.connectors.protocol.prefix import block_hashes
 
     a, b = prompt(520, 61), prompt(520, 62)
     lid = uuid.uuid4().hex
@@ -192,7 +192,7 @@ def test_forged_history_changes_the_answer(stack):
              logprobs=None)
     import asyncio
 
-    from kvferry.connectors import lease_control
+    from kvferry.connectors.transfer import lease_control
 
     got = asyncio.run(lease_control.call("127.0.0.1", stack.decode.control_port, "info", lid,
                                          key=stack.secret.encode()))

@@ -13,7 +13,7 @@ import test_worker
 from test_push_worker import d_register, settle, written
 from test_worker import D_BLOCKS, P_BLOCKS, PROMPT, Engine
 
-from kvferry.connectors.scheduler import StepMeta, TransferScheduler
+from kvferry.connectors.scheduling.scheduler import StepMeta, TransferScheduler
 
 engines = test_worker.engines
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Side-channel handshake (connectors/handshake.py): round trip, deadlines, bind errors."""
+"""Side-channel handshake (connectors/transfer/handshake.py): round trip, deadlines, bind errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import zmq
 from helpers_http import free_port
 
-from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
+from kvferry.connectors.transfer.handshake import HandshakeError, HandshakeServer, fetch
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Block ids -> transfer descriptors (connectors/layout.py): run merging and address math."""
+"""Block ids -> transfer descriptors (connectors/transfer/layout.py): run merging and address math."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvferry.connectors.layout import LayoutMismatch, check_compatible, descriptors, runs
-from kvferry.connectors.memory import DRAM, CpuBackend, KVLayout, Plane, Region
+from kvferry.connectors.memory.backends import DRAM, CpuBackend, KVLayout, Plane, Region
+from kvferry.connectors.transfer.layout import LayoutMismatch, check_compatible, descriptors, runs
 
 
 def dense_layout(n: int, bb: int = 64, planes: int = 2, base: int = 10_000, dev: int = 0,
@@ -212,7 +212,7 @@ def _rank_caches(g, tp, layout):
     """One global KV (N, H, BS, 2*HD) -> each rank's cache for its heads, and heads dim."""
     import torch
 
-    from kvferry.connectors.tp_map import heads_of
+    from kvferry.connectors.protocol.tp_map import heads_of
 
     h = g.shape[1]
     out = []
@@ -239,9 +239,9 @@ def _move(loc, rem):
 def test_head_descriptors_rebuild_every_d_rank_from_p_ranks(layout, h, p_tp, d_tp):
     import torch
 
-    from kvferry.connectors.layout import head_descriptors
-    from kvferry.connectors.memory import CpuBackend
-    from kvferry.connectors.tp_map import plan
+    from kvferry.connectors.memory.backends import CpuBackend
+    from kvferry.connectors.protocol.tp_map import plan
+    from kvferry.connectors.transfer.layout import head_descriptors
 
     n, bs = 10, 4
     g = torch.randn(n, h, bs, 16, generator=torch.Generator().manual_seed(h * 10 + p_tp))
@@ -264,9 +264,9 @@ def test_head_descriptors_rebuild_every_d_rank_from_p_ranks(layout, h, p_tp, d_t
 def test_head_descriptors_merge_runs_when_heads_are_outermost():
     import torch
 
-    from kvferry.connectors.layout import head_descriptors
-    from kvferry.connectors.memory import CpuBackend
-    from kvferry.connectors.tp_map import plan
+    from kvferry.connectors.memory.backends import CpuBackend
+    from kvferry.connectors.protocol.tp_map import plan
+    from kvferry.connectors.transfer.layout import head_descriptors
 
     n, bs = 8, 4
     (p0,), hd = _rank_caches(torch.zeros(n, 4, bs, 16), 1, "hnd")
@@ -283,9 +283,9 @@ def test_head_descriptors_merge_runs_when_heads_are_outermost():
 def test_heads_must_be_located_for_a_split_copy():
     import torch
 
-    from kvferry.connectors.layout import LayoutMismatch, head_descriptors
-    from kvferry.connectors.memory import CpuBackend
-    from kvferry.connectors.tp_map import Segment
+    from kvferry.connectors.memory.backends import CpuBackend
+    from kvferry.connectors.protocol.tp_map import Segment
+    from kvferry.connectors.transfer.layout import LayoutMismatch, head_descriptors
 
     a = CpuBackend().describe({"l": torch.zeros(4, 2, 4, 16)}, 4, 4)  # heads dim not given
     b = CpuBackend().describe({"l": torch.zeros(4, 1, 4, 16)}, 4, 4, 1)

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvferry.connectors.lease import DEFAULT_TTL, FreeBlocks, LeaseError, LeaseTable
+from kvferry.connectors.protocol.lease import DEFAULT_TTL, FreeBlocks, LeaseError, LeaseTable
 
 
 def grant(t: LeaseTable, lid: str, now: float = 0.0, blocks=(1, 2, 3)):

@@ -1,4 +1,4 @@
-"""Lease control channel (connectors/lease_control.py): signed, time-stamped requests;
+"""Lease control channel (connectors/transfer/lease_control.py): signed, time-stamped requests;
 `handle` never raises; real ZMQ round trips between `call` and a `ControlServer`."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from helpers_http import free_port
 
-from kvferry.connectors import lease_control as lc
-from kvferry.connectors.lease_keeper import LeaseKeeper
-from kvferry.connectors.params import SECRET_ENV, parse_lease
+from kvferry.connectors.protocol.params import SECRET_ENV, parse_lease
+from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
+from kvferry.connectors.transfer import lease_control as lc
 
 KEY = b"test-secret"
 BS = 4

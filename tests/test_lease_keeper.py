@@ -1,4 +1,4 @@
-"""D's LeaseKeeper (connectors/lease_keeper.py): grants over full blocks, signed offers,
+"""D's LeaseKeeper (connectors/scheduling/lease_keeper.py): grants over full blocks, signed offers,
 renew/release/info, and time-based frees (grace after release, expiry, eviction)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from helpers_clock import Clock
 
-from kvferry.connectors.lease import LeaseError
-from kvferry.connectors.lease_keeper import TICK_S, LeaseKeeper
-from kvferry.connectors.params import SECRET_ENV, SIG, InvalidParams, parse_lease
-from kvferry.connectors.prefix import block_hashes
+from kvferry.connectors.protocol.lease import LeaseError
+from kvferry.connectors.protocol.params import SECRET_ENV, SIG, InvalidParams, parse_lease
+from kvferry.connectors.protocol.prefix import block_hashes
+from kvferry.connectors.scheduling.lease_keeper import TICK_S, LeaseKeeper
 
 BS = 4
 T0 = 1000.0

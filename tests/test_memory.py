@@ -1,11 +1,11 @@
-"""Memory backends (connectors/memory.py): KV caches -> regions + planes, and the wire form."""
+"""Memory backends (connectors/memory/backends.py): KV caches -> regions + planes, and the wire form."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvferry.connectors.memory import (
+from kvferry.connectors.memory.backends import (
     DRAM,
     HARDWARE_BACKENDS,
     VRAM,

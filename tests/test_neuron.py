@@ -20,7 +20,7 @@ import torch
 from fakes.nrt_runtime import FakeRuntime, build, host_readable
 
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory import DRAM, VRAM, get_backend
+from kvferry.connectors.memory.backends import DRAM, VRAM, get_backend
 from kvferry.neuron import envcheck, libnrt
 from kvferry.neuron.arrays import NeuronArray
 from kvferry.neuron.backend import ENV_MAP_HBM, ENV_STAGING, NeuronBackend, RegistrationError
@@ -177,7 +177,7 @@ def test_kvferry_never_starts_the_runtime(runtime, monkeypatch: pytest.MonkeyPat
     from fakes.vllm_neuron import FakeNeuronWorker
     from helpers_http import free_port
 
-    from kvferry.connectors.params import SECRET_ENV
+    from kvferry.connectors.protocol.params import SECRET_ENV
 
     rt = runtime()
     lib = libnrt.load()
@@ -363,7 +363,7 @@ def test_auto_falls_back_to_host_staging_when_nixl_refuses(nrt: libnrt.Libnrt) -
     """auto on unmapped HBM: mapped is skipped (HBM not mapped), device registration is
     refused by NIXL (UCX here; LIBFABRIC without FI_HMEM_NEURON on a trn2), host staging
     registers; every step is recorded."""
-    from kvferry.connectors.transport import Transport
+    from kvferry.connectors.transfer.transport import Transport
 
     k, v = kv_pair(nrt, 0)
     dk, dv = fill(k, 1), fill(v, 2)

@@ -16,7 +16,7 @@ import time
 import pytest
 from fakes.nrt_runtime import FakeRuntime, build, host_readable
 
-from kvferry.connectors.memory import DRAM, VRAM, KVLayout
+from kvferry.connectors.memory.backends import DRAM, VRAM, KVLayout
 from kvferry.neuron import envcheck, libnrt
 from kvferry.neuron.backend import NeuronBackend
 from kvferry.neuron.libnrt import NrtTensor

@@ -19,10 +19,10 @@ from fakes.nrt_runtime import FakeRuntime, build
 from helpers_http import free_port
 
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory import CpuBackend
-from kvferry.connectors.params import SECRET_ENV
-from kvferry.connectors.scheduler import ReuseRead, StepMeta, TransferScheduler
-from kvferry.connectors.worker import TransferWorker, _Results
+from kvferry.connectors.memory.backends import CpuBackend
+from kvferry.connectors.protocol.params import SECRET_ENV
+from kvferry.connectors.scheduling.scheduler import ReuseRead, StepMeta, TransferScheduler
+from kvferry.connectors.transfer.worker import TransferWorker, _Results
 from kvferry.neuron import libnrt
 from kvferry.neuron.backend import NeuronBackend
 from kvferry.neuron.libnrt import NrtTensor

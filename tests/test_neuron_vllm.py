@@ -25,9 +25,9 @@ from fakes.vllm_neuron import (
 )
 from helpers_http import free_port
 
-from kvferry.connectors.memory import DRAM
-from kvferry.connectors.params import SECRET_ENV
-from kvferry.connectors.scheduler import ReuseRead, StepMeta, TransferScheduler
+from kvferry.connectors.memory.backends import DRAM
+from kvferry.connectors.protocol.params import SECRET_ENV
+from kvferry.connectors.scheduling.scheduler import ReuseRead, StepMeta, TransferScheduler
 from kvferry.neuron.backend import ENV_STAGING, NeuronBackend, RegistrationError
 
 pytest.importorskip("nixl._api")

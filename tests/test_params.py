@@ -1,4 +1,4 @@
-"""Signed offers (connectors/params.py): what D accepts, and everything it must refuse."""
+"""Signed offers (connectors/protocol/params.py): what D accepts, and everything it must refuse."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.connectors.params import (
+from kvferry.connectors.protocol.params import (
     SECRET_ENV,
     SIG,
     InvalidParams,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.connectors.prefix import block_hashes, matching_prefix_blocks, matching_prefix_tokens
+from kvferry.connectors.protocol.prefix import block_hashes, matching_prefix_blocks, matching_prefix_tokens
 
 TOK = list(range(100, 200))
 

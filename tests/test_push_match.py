@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvferry.connectors.push_match import (
+from kvferry.connectors.protocol.push_match import (
     Destination,
     FreeBlocks,
     PushMatcher,

@@ -1,4 +1,4 @@
-"""Push glue (connectors/push_worker.py): two in-process TransferWorkers over real NIXL.
+"""Push glue (connectors/transfer/push_worker.py): two in-process TransferWorkers over real NIXL.
 
 The scheduler builds the step metadata exactly as in an engine; the workers register,
 WRITE and notify for real. Focus: transfer ids that are replayed or shared, whose

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.connectors.prefix import block_hashes
-from kvferry.connectors.reuse import REASONS, Decision, RemoteOffer, decide_reuse
+from kvferry.connectors.protocol.prefix import block_hashes
+from kvferry.connectors.protocol.reuse import REASONS, Decision, RemoteOffer, decide_reuse
 
 SALT = "model:tenant"
 PROMPT = list(range(1000, 1300))  # 300 tokens

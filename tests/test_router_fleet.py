@@ -31,10 +31,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from helpers_http import FakeEngine, closed_port_url, free_port, serve
 
-from kvferry.connectors.lease import LeaseError
-from kvferry.connectors.lease_control import ControlServer
-from kvferry.connectors.lease_keeper import LeaseKeeper
-from kvferry.connectors.params import SECRET_ENV
+from kvferry.connectors.protocol.lease import LeaseError
+from kvferry.connectors.protocol.params import SECRET_ENV
+from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
+from kvferry.connectors.transfer.lease_control import ControlServer
 from kvferry.router.app import create_app
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.registry import ConversationEntry, ConversationRegistry

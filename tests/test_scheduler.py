@@ -1,11 +1,11 @@
-"""Scheduler-side pull protocol (connectors/scheduler.py TransferScheduler), no vLLM, no I/O."""
+"""Scheduler-side pull protocol (connectors/scheduling/scheduler.py TransferScheduler), no vLLM, no I/O."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvferry.connectors.params import SECRET_ENV, SIG, RemotePrefill, parse_offer, prompt_hash, sign
-from kvferry.connectors.scheduler import RecvTask, StepMeta, TransferScheduler
+from kvferry.connectors.protocol.params import SECRET_ENV, SIG, RemotePrefill, parse_offer, prompt_hash, sign
+from kvferry.connectors.scheduling.scheduler import RecvTask, StepMeta, TransferScheduler
 
 BS = 4
 

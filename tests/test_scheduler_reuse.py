@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from helpers_clock import Clock
 
-from kvferry.connectors.lease_keeper import LeaseKeeper
-from kvferry.connectors.params import SECRET_ENV, SIG, parse_lease, parse_offer
-from kvferry.connectors.scheduler import ReuseRead, ReuseSettings, StepMeta, TransferScheduler
+from kvferry.connectors.protocol.params import SECRET_ENV, SIG, parse_lease, parse_offer
+from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
+from kvferry.connectors.scheduling.scheduler import ReuseRead, ReuseSettings, StepMeta, TransferScheduler
 
 BS = 4
 T0 = 1000.0

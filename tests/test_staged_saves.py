@@ -15,10 +15,10 @@ from vllm.v1.core.sched.output import CachedRequestData
 from kvferry.connectors import compat
 from kvferry.connectors.compat import KVConnectorRole
 from kvferry.connectors.connector import KvferryConnector, KvferryMeta
-from kvferry.connectors.memory import CpuBackend
-from kvferry.connectors.params import SECRET_ENV
-from kvferry.connectors.scheduler import StepMeta, TransferScheduler
-from kvferry.connectors.staged_saves import SaveTracker
+from kvferry.connectors.memory.backends import CpuBackend
+from kvferry.connectors.protocol.params import SECRET_ENV
+from kvferry.connectors.scheduling.scheduler import StepMeta, TransferScheduler
+from kvferry.connectors.scheduling.staged_saves import SaveTracker
 from kvferry.neuron.backend import ENV_STAGING
 
 BS = 16

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from kvferry.connectors import timeline
-from kvferry.connectors.scheduler import TransferScheduler
+from kvferry.connectors.protocol import timeline
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
 
 
 def test_parse_joins_processes_and_keeps_first_mark() -> None:

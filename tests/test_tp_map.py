@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kvferry.connectors.tp_map import (
+from kvferry.connectors.protocol.tp_map import (
     HeadAxis,
     Segment,
     copies,

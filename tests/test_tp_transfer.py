@@ -20,11 +20,11 @@ import torch
 from helpers_http import free_port
 
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory import CpuBackend
-from kvferry.connectors.params import SECRET_ENV, InvalidParams
-from kvferry.connectors.scheduler import ReuseRead, StepMeta, TransferScheduler
-from kvferry.connectors.tp_map import heads_of
-from kvferry.connectors.worker import TransferWorker, _Results
+from kvferry.connectors.memory.backends import CpuBackend
+from kvferry.connectors.protocol.params import SECRET_ENV, InvalidParams
+from kvferry.connectors.protocol.tp_map import heads_of
+from kvferry.connectors.scheduling.scheduler import ReuseRead, StepMeta, TransferScheduler
+from kvferry.connectors.transfer.worker import TransferWorker, _Results
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -296,7 +296,7 @@ def test_push_to_a_dead_p_rank_recomputes_on_every_d_rank_without_a_hang(engines
 def test_p_rank_rejection_keeps_d_blocks_until_every_writer_settled():
     """PushReceiver: one P rank's Reject ends the wait (recompute) but the blocks are
     reused only when the other writers rejected or finished, or after the quarantine."""
-    from kvferry.connectors.push_match import PushReceiver, RecvFailed, ReleaseDest
+    from kvferry.connectors.protocol.push_match import PushReceiver, RecvFailed, ReleaseDest
 
     r = PushReceiver(recv_timeout=60, quarantine=5)
     assert r.expect("t", "d1", {0, 1}, 0.0) == []

@@ -1,4 +1,4 @@
-"""Transport (connectors/transport.py) over real NIXL/UCX between two processes, DRAM tensors.
+"""Transport (connectors/transfer/transport.py) over real NIXL/UCX between two processes, DRAM tensors.
 
 The peer process plays P: it owns its KV tensors and a Transport, and answers commands over a
 multiprocessing Pipe. The test process plays D with its own Transport and tensors.
@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from kvferry.connectors.layout import LayoutMismatch, runs
-from kvferry.connectors.memory import CpuBackend, KVLayout
-from kvferry.connectors.transport import Transfer, TransferError, Transport
+from kvferry.connectors.memory.backends import CpuBackend, KVLayout
+from kvferry.connectors.transfer.layout import LayoutMismatch, runs
+from kvferry.connectors.transfer.transport import Transfer, TransferError, Transport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -261,7 +261,7 @@ def test_idle_agents_do_not_spin(pair):
 def test_agents_turn_cuda_ipc_get_on_unless_the_environment_says(monkeypatch) -> None:
     """Same-GPU READs were emulated over TCP at ~400 MB/s with UCX's default (auto): every
     agent asks for cuda_ipc GET, and a user's own setting wins."""
-    from kvferry.connectors import transport
+    from kvferry.connectors.transfer import transport
 
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
     assert transport.ucx_defaults() == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}

@@ -1,4 +1,4 @@
-"""TransferWorker (connectors/worker.py): two in-process workers over real NIXL, DRAM tensors.
+"""TransferWorker (connectors/transfer/worker.py): two in-process workers over real NIXL, DRAM tensors.
 
 P and D each have their own CpuBackend layout, NIXL agent and side-channel port; offers are
 real signed offers from TransferScheduler, so this is the pull path minus vLLM.
@@ -14,13 +14,13 @@ import pytest
 import torch
 from helpers_http import free_port
 
-from kvferry.connectors import messages
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.handshake import HandshakeServer
-from kvferry.connectors.memory import CpuBackend
-from kvferry.connectors.params import SECRET_ENV
-from kvferry.connectors.scheduler import RecvTask, StepMeta, TransferScheduler
-from kvferry.connectors.worker import TransferWorker, _Results
+from kvferry.connectors.memory.backends import CpuBackend
+from kvferry.connectors.protocol import messages
+from kvferry.connectors.protocol.params import SECRET_ENV
+from kvferry.connectors.scheduling.scheduler import RecvTask, StepMeta, TransferScheduler
+from kvferry.connectors.transfer.handshake import HandshakeServer
+from kvferry.connectors.transfer.worker import TransferWorker, _Results
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -263,7 +263,7 @@ def test_bad_peer_metadata_fails_one_request_and_worker_keeps_serving(engines):
 
 
 def test_recv_task_dataclass_defaults():
-    from kvferry.connectors.params import RemotePrefill
+    from kvferry.connectors.protocol.params import RemotePrefill
 
     o = RemotePrefill(remote_engine_id="e", remote_host="h", remote_port=1, remote_block_ids=[],
                       remote_request_id="r", remote_num_tokens=0, prompt_hash="")

@@ -45,10 +45,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvferry.connectors import compat, layout
+from kvferry.connectors import compat
 from kvferry.connectors.connector import KvferryConnector
-from kvferry.connectors.memory import CpuBackend
-from kvferry.connectors.params import SECRET_ENV
+from kvferry.connectors.memory.backends import CpuBackend
+from kvferry.connectors.protocol.params import SECRET_ENV
+from kvferry.connectors.transfer import layout
 from kvferry.scripts.modelgen import SHAPES, write_model
 
 VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
@@ -340,7 +341,7 @@ def test_worker_side_glue_on_this_base_class(tiny):
     """The base-class state kvferry's worker side reads, and the calls vLLM's model runner
     makes around a step (0.32+: get_transfer_results wraps get_finished)."""
     from kvferry.connectors.connector import KvferryMeta
-    from kvferry.connectors.scheduler import StepMeta
+    from kvferry.connectors.scheduling.scheduler import StepMeta
 
     vc, kvc = vllm_config(tiny), kv_cache_config()
     c = KvferryConnector(vc, base.KVConnectorRole.WORKER, kvc)

@@ -32,7 +32,7 @@ import torch
 from kvferry.connectors import compat
 from kvferry.connectors.compat import KVConnectorRole
 from kvferry.connectors.connector import KvferryConnector, KvferryMeta
-from kvferry.connectors.scheduler import StepMeta
+from kvferry.connectors.scheduling.scheduler import StepMeta
 
 from .vllm_neuron_env import (  # noqa: F401 (re-exported: the worker's device checks)
     CCOM_BASE_PORT,

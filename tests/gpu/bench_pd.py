@@ -27,7 +27,7 @@ os.environ.setdefault("KVFERRY_TIMELINE", "1")  # engines inherit it; read at im
 
 from stack import pd_stack  # noqa: E402
 
-from kvferry.connectors import timeline  # noqa: E402
+from kvferry.connectors.protocol import timeline  # noqa: E402
 from kvferry.scripts.bench import git_commit  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
@@ -137,7 +137,7 @@ def means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, 
 
 
 def push_timeline(raw: Path, texts: list[str]) -> list[dict]:
-    """Median gaps between a push request's events (connectors/timeline.py), per bench
+    """Median gaps between a push request's events (connectors/protocol/timeline.py), per bench
     point: which part of the handoff is the WRITE, a notification, an engine step."""
     marks = timeline.parse(ln for text in texts for ln in text.splitlines())
     groups: dict[tuple, dict[str, dict[str, float]]] = {}

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvferry.connectors.lease import FreeBlocks, LeaseError, LeaseTable
-from kvferry.connectors.params import LeaseOffer, sign_lease
-from kvferry.connectors.prefix import block_hashes
+from kvferry.connectors.protocol.lease import FreeBlocks, LeaseError, LeaseTable
+from kvferry.connectors.protocol.params import LeaseOffer, sign_lease
+from kvferry.connectors.protocol.prefix import block_hashes
 
 log = logging.getLogger("vllm." + __name__)
 

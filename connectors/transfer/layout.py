@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvferry.connectors.memory import KVLayout
-from kvferry.connectors.tp_map import HeadAxis, Segment, copies
+from kvferry.connectors.memory.backends import KVLayout
+from kvferry.connectors.protocol.tp_map import HeadAxis, Segment, copies
 
 
 class LayoutMismatch(ValueError):

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.connectors import timeline
-from kvferry.connectors.params import (
+from kvferry.connectors.protocol import timeline
+from kvferry.connectors.protocol.params import (
     InvalidParams,
     LeaseOffer,
     RemotePrefill,
@@ -24,9 +24,9 @@ from kvferry.connectors.params import (
     prompt_hash,
     sign,
 )
-from kvferry.connectors.reuse import Decision, RemoteOffer, decide_reuse
-from kvferry.connectors.staged_saves import SaveTracker
-from kvferry.connectors.tp_map import plan
+from kvferry.connectors.protocol.reuse import Decision, RemoteOffer, decide_reuse
+from kvferry.connectors.protocol.tp_map import plan
+from kvferry.connectors.scheduling.staged_saves import SaveTracker
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 

@@ -17,7 +17,7 @@ blocks: the read starts at the local hit (which must itself be lcm-aligned, else
 is read: reason ``unaligned``) and ends at the last lcm boundary inside the usable prefix.
 Token-granular mapping of partial blocks is left to a later transport.
 
-Hashes follow `kvferry.connectors.prefix` with D's block size and the shared ``salt``
+Hashes follow `kvferry.connectors.protocol.prefix` with D's block size and the shared ``salt``
 (model + tenant), so D's published hashes verify P's prompt directly.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.connectors.prefix import matching_prefix_tokens
+from kvferry.connectors.protocol.prefix import matching_prefix_tokens
 
 DEFAULT_RECOMPUTE_THRESHOLD = 64  # kv_recompute_threshold
 DEFAULT_LEASE_MARGIN = 2.0  # seconds a READ may take before the lease must still hold

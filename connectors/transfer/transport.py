@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvferry.connectors.layout import (
+from kvferry.connectors.memory.backends import KVLayout
+from kvferry.connectors.protocol.tp_map import Segment
+from kvferry.connectors.transfer.layout import (
     check_compatible,
     check_head_compatible,
     descriptors,
     head_descriptors,
 )
-from kvferry.connectors.memory import KVLayout
-from kvferry.connectors.tp_map import Segment
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvferry.connectors import messages, timeline
-from kvferry.connectors.params import struct_sig, struct_sig_ok
-from kvferry.connectors.push_match import (
+from kvferry.connectors.protocol import messages, timeline
+from kvferry.connectors.protocol.params import struct_sig, struct_sig_ok
+from kvferry.connectors.protocol.push_match import (
     Destination,
     FreeBlocks,
     PushMatcher,
@@ -29,12 +29,12 @@ from kvferry.connectors.push_match import (
     ReleaseDest,
     StartWrite,
 )
-from kvferry.connectors.scheduler import PushSend, RegisterTask, StepMeta
-from kvferry.connectors.tp_map import plan, readers, writers
-from kvferry.connectors.transport import Transfer
+from kvferry.connectors.protocol.tp_map import plan, readers, writers
+from kvferry.connectors.scheduling.scheduler import PushSend, RegisterTask, StepMeta
+from kvferry.connectors.transfer.transport import Transfer
 
 if TYPE_CHECKING:
-    from kvferry.connectors.worker import TransferWorker
+    from kvferry.connectors.transfer.worker import TransferWorker
 
 log = logging.getLogger("vllm." + __name__)
 

@@ -28,14 +28,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvferry.connectors import messages
 from kvferry.connectors.config import BUSY_POLL_S, IDLE_POLL_S, ConnectorConfig
-from kvferry.connectors.handshake import HandshakeError, HandshakeServer, fetch
-from kvferry.connectors.memory import KVLayout
-from kvferry.connectors.push_worker import PushEndpoint, Ready
-from kvferry.connectors.scheduler import PushSend, RecvTask, ReuseRead, StepMeta
-from kvferry.connectors.tp_map import by_rank, notified_by, plan
-from kvferry.connectors.transport import Peer, Transfer, Transport
+from kvferry.connectors.memory.backends import KVLayout
+from kvferry.connectors.protocol import messages
+from kvferry.connectors.protocol.tp_map import by_rank, notified_by, plan
+from kvferry.connectors.scheduling.scheduler import PushSend, RecvTask, ReuseRead, StepMeta
+from kvferry.connectors.transfer.handshake import HandshakeError, HandshakeServer, fetch
+from kvferry.connectors.transfer.push_worker import PushEndpoint, Ready
+from kvferry.connectors.transfer.transport import Peer, Transfer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 

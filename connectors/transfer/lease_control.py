@@ -21,9 +21,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvferry.connectors.handshake import ReplyServer
-from kvferry.connectors.lease import LeaseError
-from kvferry.connectors.params import secret
+from kvferry.connectors.protocol.lease import LeaseError
+from kvferry.connectors.protocol.params import secret
+from kvferry.connectors.transfer.handshake import ReplyServer
 
 log = logging.getLogger("vllm." + __name__)
 

@@ -131,7 +131,7 @@ def planes_of_array(
     fmt = "x".join(map(str, inner)) + "/" + "".join(map(str, order))
     heads = (0, 0, 0)
     if heads_dim is not None and heads_dim > block_dim:
-        from kvferry.connectors.tp_map import HeadAxis
+        from kvferry.connectors.protocol.tp_map import HeadAxis
 
         axis = HeadAxis.of(tuple(inner[i] for i in order), order.index(heads_dim - block_dim - 1),
                            elem_bytes)
