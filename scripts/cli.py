@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from .bench import bench
+from .bench_cli import bench
 from .demo import run_demo
 from .engines import HTTP_PORT, ROUTER_PORT
 from .launch import launch_app
