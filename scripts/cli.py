@@ -158,6 +158,22 @@ def demo(
     raise typer.Exit(run_demo(url, turns=turns, max_tokens=max_tokens, timeout_s=timeout))
 
 
+def _transfers(specs: dict[str, EngineSpec]) -> str:
+    """What each kvferry engine moved, from its side channel's counters (one JSON line)."""
+    import json
+
+    from kvferry.connectors.transfer.handshake import HandshakeError, fetch_engine_stats
+
+    out: dict[str, dict[str, object]] = {}
+    for role, spec in specs.items():
+        try:
+            s = fetch_engine_stats(spec.host, spec.side_port, spec.devices_per_engine)
+            out[role] = {k: v for k, v in s.counters.items() if v}
+        except HandshakeError as e:
+            out[role] = {"unavailable": str(e)}
+    return "transfers " + json.dumps(out, sort_keys=True)
+
+
 def _port_busy(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -257,6 +273,8 @@ def _up(
                    f"router   {router_url}  (OpenAI API: {router_url}/v1)")
         if run_demo_after:
             rc = run_demo(router_url, max_tokens=demo_max_tokens)
+            if connector == "kvferry":
+                typer.echo(_transfers(specs))
             dead = first_dead(children)
             if dead is not None:
                 typer.echo(died_message(dead), err=True)

@@ -106,6 +106,17 @@ def test_merge_sums_ranks():
     assert len(m.find("writes_done", "t")) == 2 and m.engine_id == "P"
 
 
+def test_since_returns_each_ranks_new_events_only():
+    a, b = Stats("P", 0), Stats("P", 1)
+    a.event("writes_done", "old")
+    before = Snapshot.merge([a.snapshot(), b.snapshot()])
+    b.event("writes_done", "new1")
+    a.event("writes_failed", "new0", "error")
+    after = Snapshot.merge([a.snapshot(), b.snapshot()])
+    assert sorted((e.key, e.rank) for e in after.since(before)) == [("new0", 0), ("new1", 1)]
+    assert after.since(after) == []
+
+
 def test_every_counter_the_code_counts_is_declared():
     """A typo in a counter name would silently count under a name no reader asks for."""
     used = set()

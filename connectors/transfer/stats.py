@@ -34,6 +34,7 @@ COUNTERS = (
     "sends_expired",  # P: no decode read an offer's KV within send_timeout_s
     "notifications",  # NIXL notifications received
     "notifications_bad",  # ... that were not kvferry messages
+    "thread_errors",  # exceptions the transfer thread caught (logged with a traceback)
 )
 MAX_EVENTS = 1024  # per rank: enough for every request of a test module, bounded for a server
 
@@ -42,6 +43,8 @@ class Event(msgspec.Struct, array_like=True, frozen=True):
     name: str  # the counter it incremented
     key: str  # request id (READs) or transfer id (push)
     detail: str = ""  # why, for failures
+    rank: int = 0
+    seq: int = 0  # per rank: events recorded before this one
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -58,6 +61,13 @@ class Snapshot(msgspec.Struct, kw_only=True):
 
     def find(self, name: str, key: str | None = None) -> list[Event]:
         return [e for e in self.events if e.name == name and (key is None or e.key == key)]
+
+    def since(self, earlier: Snapshot) -> list[Event]:
+        """Events recorded after ``earlier`` (a snapshot of the same ranks), per rank."""
+        last: dict[int, int] = {}
+        for e in earlier.events:
+            last[e.rank] = max(last.get(e.rank, -1), e.seq)
+        return [e for e in self.events if e.seq > last.get(e.rank, -1)]
 
     @classmethod
     def merge(cls, parts: Iterable[Snapshot]) -> Snapshot:
@@ -92,7 +102,7 @@ class Stats:
         """Count ``name`` once and remember which request or transfer it was about."""
         with self._lock:
             self._counts[name] += 1
-            self._events.append(Event(name, str(key), str(detail)[:300]))
+            self._events.append(Event(name, str(key), str(detail)[:300], self.rank, self._seen))
             self._seen += 1
 
     def snapshot(self) -> Snapshot:

@@ -176,6 +176,7 @@ class TransferWorker:
                 self._progress()
             except Exception:  # never let the thread die: requests would hang
                 log.exception("kvferry transfer thread")
+                self.stats.add("thread_errors")
 
     def _take(self, item: StepMeta | Ready) -> None:
         if isinstance(item, Ready):
