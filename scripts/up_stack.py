@@ -4,6 +4,7 @@ process groups (no orphans) until Ctrl-C, SIGTERM, a death, or the demo's end.""
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
 import socket
@@ -39,6 +40,20 @@ DECODE_HTTP_PORT = 8200
 class Shutdown(Exception):
     """Raised from SIGTERM/SIGHUP handlers so `finally` blocks stop the children."""
 
+
+
+def _transfers(specs: dict[str, EngineSpec]) -> str:
+    """What each kvferry engine moved, from its side channel's counters (one JSON line)."""
+    from kvferry.connectors.transfer.handshake import HandshakeError, fetch_engine_stats
+
+    out: dict[str, dict[str, object]] = {}
+    for role, spec in specs.items():
+        try:
+            s = fetch_engine_stats(spec.side_host, spec.side_port, spec.devices_per_engine)
+            out[role] = {k: v for k, v in s.counters.items() if v}
+        except HandshakeError as e:
+            out[role] = {"unavailable": str(e)}
+    return "transfers " + json.dumps(out, sort_keys=True)
 
 def _on_signal(signum: int, _frame: FrameType | None) -> None:
     raise Shutdown(signal.Signals(signum).name)
@@ -163,6 +178,8 @@ def up_stack(
                    f"router   {router_url}  (OpenAI API: {router_url}/v1)")
         if run_demo_after:
             rc = run_demo(router_url, max_tokens=demo_max_tokens)
+            if connector == "kvferry":
+                typer.echo(_transfers(specs))
             dead = first_dead(children)
             if dead is not None:
                 typer.echo(died_message(dead), err=True)

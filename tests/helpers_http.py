@@ -20,6 +20,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvferry.connectors.protocol.lease import LeaseError
+
 _GIVEN: set[int] = set()
 
 
@@ -52,6 +54,16 @@ def free_port() -> int:
         _GIVEN.add(port)
         return port
     raise RuntimeError("no free TCP port below the ephemeral range")
+
+
+def lease_reason(keeper: Any, lease_id: str) -> str | None:
+    """Why ``keeper`` (a LeaseKeeper) no longer serves ``lease_id`` (None: it does): what
+    the fake decode engines of the router tests report."""
+    try:
+        keeper.info(lease_id)
+    except LeaseError as e:
+        return e.reason
+    return None
 
 
 class ServerThread:

@@ -12,16 +12,19 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from helpers_http import free_port, serve
 
+from kvferry.connectors.config import ConnectorConfig
+from kvferry.connectors.transfer.handshake import HandshakeError, fetch_engine_stats
+from kvferry.connectors.transfer.stats import Snapshot
 from kvferry.router.app import create_app
 from kvferry.router.bodies import ENGINE_FIELDS
 from kvferry.router.settings import RouterSettings
@@ -29,10 +32,17 @@ from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env, vllm_en
 from kvferry.scripts.procs import Child, stop_all, wait_healthy
 
 STARTUP_S = float(os.environ.get("KVFERRY_TEST_STARTUP_S", "900"))
+# Time an engine may take to act on a deadline it passed or an event that already
+# happened (its next poll, a step on shared cores) plus our stats request: the slack
+# added to a configured timeout when a test waits for what that timeout bounds.
+ACT_S = 5.0
+
+T = TypeVar("T")
 
 # Every engine the tests started and still running: a failing test's report carries the
 # tails of their logs (conftest.py), since CI keeps nothing but pytest's output.
 STARTED: list[Child] = []
+ENGINES: list[Engine] = []  # the kvferry ones: the report carries their counters too
 
 # Routers the tests started: every answer `complete` gets from one must carry no
 # engine-owned field (D's kv_transfer_params: block ids, host:port, lease).
@@ -44,6 +54,10 @@ def assert_no_engine_fields(raw: str) -> None:
     for name in ENGINE_FIELDS:
         assert f'"{name}"' not in raw, f"engine field {name!r} reached the client: {raw[:300]}"
 
+
+# Events worth a line in a failure report.
+FAILURE_EVENTS = ("reads_failed", "reuse_reads_failed", "writes_failed", "push_failed",
+                  "rejections", "recomputes", "sends_expired", "registrations_forged")
 
 # Log lines that say nothing about a failure: route tables, access logs, throughput.
 _NOISE = re.compile(r"Route: |\"(GET|POST) /[^\"]*\" 200|loggers\.py|Started server process|"
@@ -66,6 +80,18 @@ def engine_log_tails(lines: int = 20, worth: int = 25) -> str:
             continue
         logs.append((child, [ln for ln in text if not _NOISE.search(ln)]))
     out = []
+    for e in ENGINES:
+        if not e.child.group_alive():
+            continue
+        try:
+            snap = fetch_engine_stats("127.0.0.1", e.side_port, e.tp, 1.0)
+        except HandshakeError as err:
+            out.append(f"==== {e.role} {e.url} counters: {err} ====")
+            continue
+        moved = {k: v for k, v in snap.counters.items() if v}
+        out.append(f"==== {e.role} {e.url} counters {moved}; last failures: ====")
+        out.extend(f"{ev.name} {ev.key} {ev.detail}"[:300] for ev in
+                   [ev for ev in snap.events if ev.name in FAILURE_EVENTS][-10:])
     for child, text in logs:
         hits = [ln for ln in text if _WORTH.search(ln)]
         out.append(f"==== {child.name} {child.log_path.name}: {len(hits)} warning/error/"
@@ -77,14 +103,42 @@ def engine_log_tails(lines: int = 20, worth: int = 25) -> str:
     return "\n".join(out)
 
 
-def settled(count: Callable[[], float], at_least: float, timeout: float = 10) -> float:
-    """``count()`` once it reached ``at_least``, else its value after ``timeout``: for log
-    lines written just after what the test waited for (P logs a WRITE when it next polls
-    it, after D may already have answered), so that an assertion on the count is exact."""
+def wait_for(value: Callable[[], T], ok: Callable[[T], bool], timeout: float, what: str) -> T:
+    """``value()`` once ``ok`` holds for it; the test fails after ``timeout``."""
     deadline = time.monotonic() + timeout
-    while (n := count()) < at_least and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return n
+    while not ok(v := value()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(0.1)
+    return v
+
+
+def stats_of(engines: Iterable[Engine]) -> Snapshot:
+    """The counters of several engines, summed."""
+    return Snapshot.merge(e.stats() for e in engines)
+
+
+def settled_writes(prefills: Iterable[Engine], since: Snapshot | None, more: int,
+                   tid: str | None = None) -> int:
+    """How many WRITEs (of ``tid``, or all; summed over ``prefills``) finished since
+    ``since`` (None: ever), once ``more`` of them ended, done or failed.
+
+    P counts a WRITE when it next polls it, possibly just after D answered on its
+    notification; every WRITE ends within its deadline (recv_timeout_s) either way, so the
+    count returned is exact."""
+    ps = list(prefills)
+
+    def count(s: Snapshot | None, name: str) -> int:
+        if s is None:
+            return 0
+        return len(s.find(name, tid)) if tid else s[name]
+
+    def ended(s: Snapshot | None) -> int:
+        return count(s, "writes_done") + count(s, "writes_failed")
+
+    bound = max(p.cfg.recv_timeout_s for p in ps) + ACT_S
+    now = wait_for(lambda: stats_of(ps), lambda s: ended(s) - ended(since) >= more, bound,
+                   f"{more} WRITEs {tid or ''} to end on P")
+    return count(now, "writes_done") - count(since, "writes_done")
 
 
 def prompt(n: int, seed: int, vocab: int = 1000) -> list[int]:
@@ -120,6 +174,7 @@ class Engine:
     control_port: int = 0
     engine_id: str = ""  # the id vLLM's own NixlConnector engines run under
     tp: int = 1
+    cfg: ConnectorConfig = field(default_factory=ConnectorConfig)  # kvferry's settings
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a Prometheus sample of this engine (0 if absent)."""
@@ -135,23 +190,31 @@ class Engine:
     def kv_usage(self) -> float:
         return self.metric("vllm:kv_cache_usage_perc")
 
+    def stats(self) -> Snapshot:
+        """kvferry's transfer counters of this engine, summed over its TP ranks, read live
+        from its side channel within its handshake_timeout_s (what its peers wait too)."""
+        return fetch_engine_stats("127.0.0.1", self.side_port, self.tp,
+                                  self.cfg.handshake_timeout_s)
+
     def writes(self) -> int:
-        """kvferry WRITEs this prefill engine logged (each when P next polls it: possibly
-        just after D answered; see `settled`)."""
-        return self.log_count(r"kvferry WRITE ")
+        """push WRITEs this prefill engine finished (each counted when P next polls it:
+        possibly just after D answered; see `settled_writes`)."""
+        return self.stats()["writes_done"]
 
     def transferred_tokens(self) -> float:
         return self.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
     def log(self) -> str:
+        """For failure messages only: tests decide on `stats`, never on log text."""
         return self.child.log_path.read_text(errors="replace")
 
     def reads(self) -> int:
-        """kvferry READs this engine completed (its transfer thread logs each one)."""
-        return self.log_count(r"kvferry READ ")
+        """pull READs this engine completed (one per TP rank and request)."""
+        return self.stats()["reads_done"]
 
-    def log_count(self, pattern: str) -> int:
-        return len(re.findall(pattern, self.log()))
+    def when(self, ok: Callable[[Snapshot], bool], timeout: float, what: str) -> Snapshot:
+        """This engine's stats once ``ok`` holds for them; the test fails after ``timeout``."""
+        return wait_for(self.stats, ok, timeout, f"{self.role} {self.url}: {what}")
 
 
 @dataclass
@@ -184,8 +247,12 @@ def start_engine(role: str, model: str, logs: Path, secret: str, connector: str 
                   f"http://127.0.0.1:{port}/health", env)
     child.start()
     STARTED.append(child)
-    return Engine(role, f"http://127.0.0.1:{port}", child, side, control, vllm_engine_id(spec),
-                  tp)
+    engine = Engine(role, f"http://127.0.0.1:{port}", child, side, control,
+                    vllm_engine_id(spec), tp, ConnectorConfig.from_extra(extra)
+                    if connector == "kvferry" else ConnectorConfig())
+    if connector == "kvferry":
+        ENGINES.append(engine)
+    return engine
 
 
 def warm_up(engines: list[Engine], model: str) -> None:

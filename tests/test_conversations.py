@@ -8,9 +8,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-from helpers_http import free_port
+from helpers_http import free_port, lease_reason
 
-from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import SECRET_ENV, parse_lease
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer.lease_control import ControlServer
@@ -52,11 +51,7 @@ class D:
         return offer
 
     def reason(self, lease_id: str) -> str | None:
-        try:
-            self.keeper.info(lease_id)
-        except LeaseError as e:
-            return e.reason
-        return None
+        return lease_reason(self.keeper, lease_id)
 
 
 @pytest.fixture

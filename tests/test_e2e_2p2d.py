@@ -25,14 +25,16 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from stack import (
+    FAILURE_EVENTS,
     STARTUP_S,
     Engine,
     assert_same_output,
     complete,
     prompt,
     serve_kvferry_router,
-    settled,
+    settled_writes,
     start_engine,
+    stats_of,
     wait_until,
     warm_up,
 )
@@ -113,10 +115,6 @@ def send(cluster: Cluster, toks: list[int], mode: str, cid: str | None = None
     return r.json(), r.headers
 
 
-def total(engines: list[Engine], count) -> float:
-    return sum(count(e) for e in engines)
-
-
 def _warnings_since(engines: list[Engine], marks: list[int]) -> list[str]:
     return [f"{e.role} {e.url}: {ln[:240]}" for e, m in zip(engines, marks, strict=True)
             for ln in e.log().splitlines()[m:] if "WARNING" in ln or "ERROR" in ln]
@@ -124,13 +122,14 @@ def _warnings_since(engines: list[Engine], marks: list[int]) -> list[str]:
 
 def _spread(cluster: Cluster, seed: int) -> tuple[int, int, list[str]]:
     """Six concurrent requests (pull and push interleaved), each checked against
-    colocated, both P and both D used; (D READs, P WRITEs, engines' warnings) during it."""
+    colocated, both P and both D used; (D READs, P WRITEs, the engines' failure events
+    and warnings) during it."""
     jobs = [(n, "pull" if i % 2 == 0 else "push") for i, n in
             enumerate((200, 700, 129, 400, 500, 300))]
     toks = {n: prompt(n, seed + n) for n, _ in jobs}
     want = {n: cluster.colocated(t) for n, t in toks.items()}
-    reads = total(cluster.decodes, Engine.reads)
-    writes = total(cluster.prefills, Engine.writes)
+    p0, d0 = stats_of(cluster.prefills), stats_of(cluster.decodes)
+    e0 = {id(e): e.stats() for e in cluster.engines}
     marks = [len(e.log().splitlines()) for e in cluster.engines]
     with ThreadPoolExecutor(len(jobs)) as pool:
         futs = {n: pool.submit(send, cluster, toks[n], mode) for n, mode in jobs}
@@ -141,11 +140,16 @@ def _spread(cluster: Cluster, seed: int) -> tuple[int, int, list[str]]:
     used_d = {h["x-kvferry-decode"] for _, h in got.values()}
     assert used_p == {p.url for p in cluster.prefills}, used_p
     assert used_d == {d.url for d in cluster.decodes}, used_d
-    reads = int(total(cluster.decodes, Engine.reads) - reads)
-    writes = int(settled(lambda: total(cluster.prefills, Engine.writes), writes + 3) - writes)
+    # D counts its READs and pushed KV before it answers; P counts a WRITE whose data
+    # D already has at its next poll (settled_writes).
+    d1 = stats_of(cluster.decodes)
+    reads = d1["reads_done"] - d0["reads_done"]
+    writes = settled_writes(cluster.prefills, p0, d1["push_received"] - d0["push_received"])
     for e in cluster.engines:
         wait_until(lambda e=e: e.kv_usage() == 0, 150, f"{e.role} {e.url} to free its blocks")
-    return reads, writes, _warnings_since(cluster.engines, marks)
+    failed = [f"{e.role} {e.url}: {ev.name} {ev.key} {ev.detail}" for e in cluster.engines
+              for ev in e.stats().since(e0[id(e)]) if ev.name in FAILURE_EVENTS]
+    return reads, writes, failed + _warnings_since(cluster.engines, marks)
 
 
 def test_requests_spread_over_both_pairs(cluster):

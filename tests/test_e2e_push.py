@@ -17,7 +17,7 @@ from stack import (
     complete,
     free_port,
     prompt,
-    settled,
+    settled_writes,
     start_engine,
     tiny_stack,
     wait_until,
@@ -55,18 +55,16 @@ def run_d(stack, toks, params, out: dict) -> threading.Thread:
     return th
 
 
-def wait_log(engine, needle: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while needle not in engine.log():
-        assert time.monotonic() < deadline, f"{engine.role} never logged {needle!r}"
-        time.sleep(0.1)
+def registered(stack, tid: str, timeout: float = EXTRA["push_recv_timeout_s"]) -> None:
+    """P received D's registration for ``tid`` (D waits for P's WRITE no longer than its
+    push_recv_timeout_s: later, the registration cannot matter)."""
+    stack.prefill.when(lambda s: s.find("registrations", tid), timeout,
+                       f"D's registration of {tid}")
 
 
-
-def writes(stack, tid: str, at_least: int = 1) -> int:
-    """P's WRITEs logged for `tid`, waiting (`settled`) for `at_least` of them: P logs a
-    WRITE when it next polls it, after D may already have answered on its notification."""
-    return int(settled(lambda: stack.prefill.log_count(f"kvferry WRITE {tid}"), at_least))
+def writes(stack, tid: str, ended: int = 1) -> int:
+    """P's finished WRITEs of `tid`, once `ended` of them ended (`settled_writes`)."""
+    return settled_writes([stack.prefill], None, ended, tid)
 
 
 @pytest.mark.parametrize("n", [200, 1500])
@@ -77,7 +75,7 @@ def test_registration_first(stack, n):
     reads = stack.decode.reads()
     out: dict = {}
     th = run_d(stack, toks, d, out)
-    wait_log(stack.prefill, f"push {tid}: registration")  # D registered before P computed
+    registered(stack, tid)  # D registered before P computed
     complete(stack.prefill.url, stack.model, toks, max_tokens=1, kv_transfer_params=p)
     th.join(60)
     assert_same_output(out["resp"], want)
@@ -140,14 +138,14 @@ def test_push_through_router(stack):
     for n in (64, 1000):
         toks = prompt(n, 100 + n)
         want = complete(stack.prefill.url, stack.model, toks)
-        writes_before = stack.prefill.writes()
+        before = stack.prefill.stats()
         body = {"model": stack.model, "prompt": toks, "max_tokens": 12, "temperature": 0,
                 "logprobs": 5, "return_token_ids": True}
         r = httpx.post(stack.router + "/v1/completions", json=body, timeout=120,
                        headers={"x-kvferry-mode": "push"})
         r.raise_for_status()
         assert_same_output(r.json(), want)
-        assert settled(stack.prefill.writes, writes_before + 1) == writes_before + 1
+        assert settled_writes([stack.prefill], before, 1) == 1
     wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITEs")
     assert stack.decode.kv_usage() == 0
 
@@ -169,13 +167,14 @@ def test_retry_after_cancelled_decode(stack):
 
     th = threading.Thread(target=attempt1)
     th.start()
-    wait_log(stack.prefill, f"push {tid1}: registration")  # D holds blocks for tid1
+    registered(stack, tid1)  # D holds blocks for tid1
     th.join(30)
     assert "exc" in gave_up, "attempt 1 finished before the client gave up"
     # vLLM aborts the D request; D tells P, which rejects the registration at once (not
     # after its register timeout), and D frees the destination blocks.
-    wait_log(stack.prefill, f"push {tid1}: rejecting D's registration: aborted on P",
-             EXTRA["push_register_timeout_s"] - 2)
+    s = stack.prefill.when(lambda s: s.find("rejections", tid1),
+                           EXTRA["push_register_timeout_s"] - 2, f"P to reject {tid1}")
+    assert [e.detail for e in s.find("rejections", tid1)] == ["aborted on P"]
     wait_until(lambda: stack.decode.kv_usage() == 0, 10, "D to free attempt 1's blocks")
     complete(stack.prefill.url, stack.model, toks, max_tokens=1, kv_transfer_params=p1)
     wait_until(lambda: stack.prefill.kv_usage() == 0, 5, "P to free attempt 1's late prefill")
@@ -183,7 +182,7 @@ def test_retry_after_cancelled_decode(stack):
     tid2, p2, d2 = legs(stack)
     out: dict = {}
     th = run_d(stack, toks, d2, out)
-    wait_log(stack.prefill, f"push {tid2}: registration")
+    registered(stack, tid2)
     complete(stack.prefill.url, stack.model, toks, max_tokens=1, kv_transfer_params=p2)
     th.join(60)
     assert_same_output(out["resp"], want)
@@ -203,12 +202,15 @@ def test_stale_transfer_id_never_gets_old_kv(stack):
     assert_same_output(complete(stack.decode.url, stack.model, a, kv_transfer_params=d), want_a)
     assert writes(stack, tid) == 1
     wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITE")
-    stale = stack.decode.log_count(f"push {tid} .*stale transfer id")
+    before = stack.decode.stats()
     t0 = time.monotonic()
     got = complete(stack.decode.url, stack.model, b, kv_transfer_params=d)
     assert_same_output(got, want_b)
     assert time.monotonic() - t0 < EXTRA["push_register_timeout_s"], "D waited for a WRITE"
-    assert stack.decode.log_count(f"push {tid} .*stale transfer id") == stale + 1
+    after = stack.decode.stats()  # D counts the failed push before it recomputes
+    stale = [e for e in after.since(before) if e.name == "push_failed" and e.key == tid]
+    assert [e.detail.startswith("stale transfer id") for e in stale] == [True], stale
+    assert after["recomputes"] == before["recomputes"] + 1
     assert writes(stack, tid) == 1, "P wrote an ended transfer again"
     wait_until(lambda: stack.decode.kv_usage() == 0, 10, "D to free the stale request")
     assert stack.prefill.kv_usage() == 0
@@ -243,7 +245,8 @@ def test_preempted_push_request_recomputes(stack):
 
         th = threading.Thread(target=run_a)
         th.start()
-        wait_log(stack.prefill, f"kvferry WRITE {tid}")  # A's KV landed: A runs
+        registered(stack, tid)
+        writes(stack, tid)  # A's KV landed: A runs
         got_b = complete(small.url, stack.model, b, max_tokens=40, priority=0)
         th.join(120)
         assert small.metric("vllm:num_preemptions_total") > preempted, "nothing was preempted"

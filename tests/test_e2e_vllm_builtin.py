@@ -12,6 +12,8 @@ from stack import assert_same_output, complete, pd_stack, prompt
 
 pytestmark = pytest.mark.engine
 
+FAILED = "vllm:nixl_num_failed_transfers_total"  # handshake, transfer and notification failures
+
 
 # vLLM's NixlPushConnector on CPU engines passed locally but timed out (504) in a CI run on
 # 2 cores: only pull runs here; the push path is exercised on the H200 benchmarks.
@@ -25,24 +27,25 @@ def test_router_drives_vllm_builtin_connector(tmp_path_factory, mode: str) -> No
         want = complete(s.prefill.url, model, toks)  # colocated: P serves it alone
         # vLLM's connector fails the request (HTTP 500 from D) on any handshake or transfer
         # failure, e.g. when its side-channel handshake waits more than 5 s (zmq RCVTIMEO).
-        # A 2-core CI host saw one unexplained 500 in ~6 runs, without D's log. One failure
-        # that D's log names as a NIXL transfer failure is retried (and printed); any other
+        # A 2-core CI host saw one unexplained 500 in ~6 runs. One failure that D's
+        # connector counted as a failed NIXL transfer is retried (and printed); any other
         # failure, or a second one, fails the test.
+        failed0 = s.decode.metric(FAILED)
         retried = False
         for _ in range(2):  # the second request reuses the NIXL connection
             try:
                 got = complete(s.router, model, toks)
             except httpx.HTTPStatusError:
-                if retried or "NIXL transfer failure" not in s.decode.log():
+                if retried or s.decode.metric(FAILED) == failed0:
                     raise
                 retried = True
-                print("vLLM NIXL failure in D, retried once:",
-                      [ln for ln in s.decode.log().splitlines() if "NIXL transfer failure" in ln][:3])
+                print("vLLM NIXL failure in D, retried once")
                 got = complete(s.router, model, toks)
             assert_same_output(got, want)
-        d_log = s.decode.log()
-        connector = "NixlPushConnector" if mode == "push" else "NixlConnector"
-        assert f"kv_connector='{connector}'" in d_log
-        assert "Traceback" not in s.prefill.log()
-        # A retried NIXL failure is logged with its traceback; nothing else may be.
-        assert d_log.count("Traceback") <= (d_log.count("NIXL transfer failure") if retried else 0)
+        # vLLM's own connector moved the KV (kvferry's exports no vllm:nixl_* metrics) ...
+        assert s.decode.metric("vllm:nixl_xfer_time_seconds_count") >= 1
+        # ... and nothing failed but a retried transfer; P's KV never expired unread.
+        assert s.decode.metric(FAILED) - failed0 == (1 if retried else 0)
+        assert s.prefill.metric("vllm:nixl_num_kv_expired_reqs_total") == 0
+        for e in (s.prefill, s.decode):
+            assert e.child.alive(), f"{e.role} died"

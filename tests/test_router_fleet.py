@@ -29,9 +29,8 @@ import pytest
 import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from helpers_http import FakeEngine, closed_port_url, free_port, serve
+from helpers_http import FakeEngine, closed_port_url, free_port, lease_reason, serve
 
-from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer.lease_control import ControlServer
@@ -148,11 +147,7 @@ class LeasingD:
         return json.dumps(out), []
 
     def reason(self, lease_id: str) -> str | None:
-        try:
-            self.keeper.info(lease_id)
-        except LeaseError as e:
-            return e.reason
-        return None
+        return lease_reason(self.keeper, lease_id)
 
 
 @pytest.fixture(autouse=True)

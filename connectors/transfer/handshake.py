@@ -2,8 +2,10 @@
 
 Each engine rank serves one small, immutable blob: its NIXL agent metadata and KV
 layout. A peer fetches it once per (engine, rank) before its first transfer; the reply
-is cached by the caller. Every fetch has a deadline so a dead peer is an error, never a
-hang.
+is cached by the caller. The same socket answers ``b"stats"`` with a live snapshot of the
+rank's transfer counters (stats.py), for tests and operators; any other request (peers
+send ``b"hello"``) still gets the handshake blob. Every request has a deadline so a dead
+peer is an error, never a hang.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Any
 
 import msgspec
 import zmq
+
+from kvferry.connectors.transfer.stats import Snapshot, Stats
+from kvferry.connectors.transfer.stats import decode as decode_stats
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -60,29 +65,60 @@ class ReplyServer:
         self._sock.close()
 
 
+STATS = b"stats"
+
+
 class HandshakeServer(ReplyServer):
-    """Answers every request with the same payload (agent metadata and KV layout)."""
+    """Answers ``b"stats"`` with ``stats``' snapshot (once set: the worker sets it after
+    construction) and every other request with the same payload (agent metadata and KV
+    layout)."""
 
     def __init__(self, host: str, port: int, payload: dict[str, Any]):
         blob = msgspec.msgpack.encode(payload)
-        super().__init__(host, port, lambda _req: blob, "side channel")
+        self.stats: Stats | None = None
+        super().__init__(host, port, lambda req: self._answer(req, blob), "side channel")
+
+    def _answer(self, req: bytes, blob: bytes) -> bytes:
+        if req == STATS:
+            return (self.stats or Stats()).encode()
+        return blob
 
 
-def fetch(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The peer's payload, or HandshakeError after ``timeout_s``."""
+def _request(host: str, port: int, req: bytes, timeout_s: float, what: str) -> bytes:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(b"hello")
-        blob = sock.recv()
+        sock.send(req)
+        return sock.recv()
     except zmq.ZMQError as e:
-        raise HandshakeError(f"no handshake from {host}:{port} within {timeout_s}s: {e}") from e
+        raise HandshakeError(f"no {what} from {host}:{port} within {timeout_s}s: {e}") from e
     finally:
         sock.close()
+
+
+def fetch(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The peer's payload, or HandshakeError after ``timeout_s``."""
+    blob = _request(host, port, b"hello", timeout_s, "handshake")
     try:
         return msgspec.msgpack.decode(blob)
     except msgspec.DecodeError as e:
         raise HandshakeError(f"bad handshake payload from {host}:{port}: {e}") from e
+
+
+def fetch_stats(host: str, port: int, timeout_s: float = 5.0) -> Snapshot:
+    """The transfer counters of the rank serving host:port, or HandshakeError after
+    ``timeout_s`` (or if what answers is no kvferry stats snapshot)."""
+    blob = _request(host, port, STATS, timeout_s, "stats")
+    try:
+        return decode_stats(blob)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandshakeError(f"{host}:{port} answered no stats snapshot: {e}") from e
+
+
+def fetch_engine_stats(host: str, port: int, tp_size: int = 1, timeout_s: float = 5.0
+                       ) -> Snapshot:
+    """One engine's counters, summed over its TP ranks (side channel port + rank)."""
+    return Snapshot.merge(fetch_stats(host, port + r, timeout_s) for r in range(tp_size))

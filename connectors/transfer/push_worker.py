@@ -179,6 +179,7 @@ class PushEndpoint:
             # request): P will write only the first one's blocks. Recompute at once.
             log.warning("request %s: transfer id %s is already in use here; recomputing",
                         task.req_id, task.transfer_id)
+            self.w.stats.event("recomputes", task.req_id, "transfer id in use here")
             self.w.report(recvd={task.req_id}, bad_blocks=task.block_ids)
             return
         d = self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port,
@@ -267,11 +268,14 @@ class PushEndpoint:
                     del self._d[a.transfer_id]
                     log.info("push %s: KV in, %.1f ms after registering", a.transfer_id,
                              (time.monotonic() - d.registered_at) * 1e3)
+                    self.w.stats.event("push_received", a.transfer_id)
                     ok = self.w.stage_in(a.req_id, d.block_ids)  # host staging: mirror -> device
                 self.w.report(recvd={a.req_id}, bad_blocks=() if ok else d.block_ids)
             elif isinstance(a, RecvFailed):
                 log.warning("push %s (request %s): %s; recomputing once no WRITE can land",
                             a.transfer_id, a.req_id, a.reason)
+                self.w.stats.event("push_failed", a.transfer_id, a.reason)
+                self.w.stats.event("recomputes", a.req_id, "push failed")
                 if d is not None and ("rejected" not in a.reason or len(d.p_ranks) > 1):
                     self._tell_p(d, messages.Abort(a.transfer_id))
             elif isinstance(a, ReleaseDest):
@@ -295,6 +299,7 @@ class PushEndpoint:
                                 a.reason)
             elif isinstance(a, Reject):
                 log.info("push %s: rejecting D's registration: %s", a.transfer_id, a.reason)
+                self.w.stats.event("rejections", a.transfer_id, a.reason)
                 reg = p.reg if p is not None else None
                 if reg is not None:
                     self._notify_d(reg, messages.Rejected(a.transfer_id, a.reason, self.w.rank))
@@ -352,6 +357,7 @@ class PushEndpoint:
                 raise
         except Exception as e:
             log.warning("push %s: WRITE not started: %s", a.transfer_id, e)
+            self.w.stats.event("writes_failed", a.transfer_id, f"not started: {e}")
             self._run(self.matcher.write_failed(a.transfer_id, str(e), now))
             return
         started = time.monotonic()
@@ -363,9 +369,11 @@ class PushEndpoint:
         if isinstance(msg, messages.Register):
             if not struct_sig_ok(msg, msg.sig):
                 log.warning("push %s: ignoring an unsigned or forged registration", msg.transfer_id)
+                self.w.stats.event("registrations_forged", msg.transfer_id)
                 return
             log.info("push %s: registration from %s (%d blocks from token %d)", msg.transfer_id,
                      msg.engine_id, len(msg.block_ids), msg.first_token)
+            self.w.stats.event("registrations", msg.transfer_id, msg.engine_id)
             p = self._p.setdefault(msg.transfer_id, _PReq())
             p.reg = msg
             if p.req_id and p.prompt_hash != msg.prompt_hash:
@@ -405,10 +413,13 @@ class PushEndpoint:
                          "the prefill ended", tid, sum(x.nbytes for x in wr.xfers),
                          sum(x.ndesc for x in wr.xfers),
                          (time.monotonic() - wr.started) * 1e3, after)
+                self.w.stats.event("writes_done", tid)
+                self.w.stats.add("bytes_written", sum(x.nbytes for x in wr.xfers))
                 self._run(self.matcher.write_done(tid, now))
             else:
                 for x in wr.xfers:
                     self.w.transport.release(x)
+                self.w.stats.event("writes_failed", tid, "timed out" if state == "PROC" else "error")
                 self._run(self.matcher.write_failed(tid, "timed out" if state == "PROC" else "error",
                                                     now))
         if now - self._last_tick >= 0.05:

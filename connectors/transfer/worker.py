@@ -35,6 +35,7 @@ from kvferry.connectors.protocol.tp_map import by_rank, notified_by, plan
 from kvferry.connectors.scheduling.scheduler import PushSend, RecvTask, ReuseRead, StepMeta
 from kvferry.connectors.transfer.handshake import HandshakeError, HandshakeServer, fetch
 from kvferry.connectors.transfer.push_worker import PushEndpoint, Ready
+from kvferry.connectors.transfer.stats import Stats
 from kvferry.connectors.transfer.transport import Peer, Transfer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -82,10 +83,12 @@ class TransferWorker:
         self.transport = Transport(layout, nixl_backends or cfg.transport_backends(),
                                    name=f"kvferry-{engine_id}-r{rank}",
                                    progress_delay_us=cfg.nixl_progress_delay_us)
+        self.stats = Stats(engine_id, rank)  # served on the side channel (b"stats")
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
             "engine_id": engine_id, "rank": rank, "tp_size": tp_size, "instance": instance,
             "metadata": self.transport.metadata(), "layout": layout.to_wire(),
         })
+        self._server.stats = self.stats
         self._inbox: queue.Queue[StepMeta | Ready] = queue.Queue()
         self.steps = 0  # engine steps begun (set by the engine thread)
         self._lock = threading.Lock()
@@ -140,6 +143,7 @@ class TransferWorker:
         except Exception as e:
             log.warning("request %s: host -> device copy of %d blocks failed (%s); recomputing",
                         req_id, len(block_ids), e)
+            self.stats.event("recomputes", req_id, f"host -> device copy failed: {e}")
             return False
         return True
 
@@ -172,6 +176,7 @@ class TransferWorker:
                 self._progress()
             except Exception:  # never let the thread die: requests would hang
                 log.exception("kvferry transfer thread")
+                self.stats.add("thread_errors")
 
     def _take(self, item: StepMeta | Ready) -> None:
         if isinstance(item, Ready):
@@ -308,6 +313,8 @@ class TransferWorker:
                 return
             log.warning("request %s: READ from %s (TP %d -> %d) failed (%s); recomputing",
                         task.req_id, o.remote_engine_id, o.remote_tp_size, self.tp_size, e)
+            self.stats.event("reads_failed", task.req_id, f"not started: {e}")
+            self.stats.event("recomputes", task.req_id, "READ not started")
             if not isinstance(e, ValueError | IndexError):
                 for key in keys:  # re-handshake next time (P may restart)
                     self.transport.drop_peer(key)
@@ -346,6 +353,8 @@ class TransferWorker:
                 self.transport.release(x)
             log.warning("request %s: reuse READ from %s not started (%s); recomputing",
                         rr.req_id, rr.engine_id, e)
+            self.stats.event("reuse_reads_failed", rr.req_id, f"not started: {e}")
+            self.stats.event("recomputes", rr.req_id, "reuse READ not started")
             if not isinstance(e, ValueError | IndexError | TimeoutError):
                 for key in keys:
                     self.transport.drop_peer(key)
@@ -376,6 +385,9 @@ class TransferWorker:
                          "reuse READ" if isinstance(rd.task, ReuseRead) else "READ", req_id,
                          len(rd.task.local_block_ids), sum(x.nbytes for x in rd.xfers),
                          sum(x.ndesc for x in rd.xfers), (now - rd.started) * 1e3)
+                reuse = isinstance(rd.task, ReuseRead)
+                self.stats.event("reuse_reads_done" if reuse else "reads_done", req_id)
+                self.stats.add("bytes_read", sum(x.nbytes for x in rd.xfers))
                 for peer, msg in rd.notices:
                     self._release(peer, msg)
                 ok = self.stage_in(req_id, rd.task.local_block_ids)
@@ -383,12 +395,17 @@ class TransferWorker:
             else:
                 log.warning("request %s: READ %s; recomputing", req_id,
                             "failed" if state == "ERR" else "timed out")
+                self.stats.event("reuse_reads_failed" if isinstance(rd.task, ReuseRead)
+                                 else "reads_failed", req_id,
+                                 "failed" if state == "ERR" else "timed out")
+                self.stats.event("recomputes", req_id, "READ did not complete")
                 for x in rd.xfers:
                     self.transport.release(x)
                 for key in rd.peer_keys:
                     self.transport.drop_peer(key)
                 self.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)
         for blob in self.transport.notifications():
+            self.stats.add("notifications")
             msg = messages.decode(blob)
             if isinstance(msg, messages.Done):
                 self._on_done(msg, now)
@@ -396,11 +413,13 @@ class TransferWorker:
                 self.push.on_message(msg, now)
             else:
                 log.warning("ignoring a notification that is not a kvferry message")
+                self.stats.add("notifications_bad")
         self.push.progress(now)
         for req_id, deadline in list(self._send_wait.items()):
             if now >= deadline:
                 log.warning("request %s: no decode read its KV within %.0fs; freeing",
                             req_id, self.cfg.send_timeout_s)
+                self.stats.event("sends_expired", req_id)
                 del self._send_wait[req_id]
                 self.report(sent={req_id})
         for req_id, deadline in list(self._early.items()):

@@ -26,11 +26,13 @@ from stack import (
     assert_same_output,
     complete,
     serve_kvferry_router,
-    settled,
+    settled_writes,
     start_engine,
 )
 from test_e2e_tp import TP_TOL, routed
 
+from kvferry.connectors.memory.backends import KVLayout
+from kvferry.connectors.transfer.handshake import fetch
 from kvferry.scripts.modelgen import write_model
 from kvferry.scripts.procs import stop_all, wait_healthy
 
@@ -70,10 +72,12 @@ def test_tp2_prefill_tp1_decode_pull_and_push(stack, n):
     toks = [random.Random(n).randrange(10, 150000) for _ in range(n)]
     want = complete(d.url, model, toks, max_tokens=16)
     pulled, _ = routed(router, model, toks, "pull")
-    writes = p.writes()
+    p0 = p.stats()
     pushed, _ = routed(router, model, toks, "push")
     assert_same_output(pulled, want, tol=TP_TOL)
     assert_same_output(pushed, pulled, tol=0)
-    assert settled(p.writes, writes + 2) == writes + 2
-    assert "READ from" not in d.log() and "recomputing" not in d.log()
-    assert "KV heads at dim" in d.log() and "(8 here)" in d.log()
+    assert settled_writes([p], p0, 2) == 2
+    s = d.stats()
+    assert s["reads_failed"] == s["recomputes"] == 0, s.events[-5:]
+    info = fetch("127.0.0.1", d.side_port, d.cfg.handshake_timeout_s)
+    assert KVLayout.from_wire(info["layout"]).num_heads == 8  # D located its 8 KV heads
