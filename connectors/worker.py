@@ -81,7 +81,8 @@ class TransferWorker:
         self.instance = instance
         self.transport = Transport(layout, nixl_backends or cfg.transport_backends(),
                                    name=f"kvferry-{engine_id}-r{rank}",
-                                   progress_delay_us=cfg.nixl_progress_delay_us)
+                                   progress_delay_us=cfg.nixl_progress_delay_us,
+                                   add_peer_timeout_s=cfg.handshake_timeout_s)
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
             "engine_id": engine_id, "rank": rank, "tp_size": tp_size, "instance": instance,
             "metadata": self.transport.metadata(), "layout": layout.to_wire(),
