@@ -388,8 +388,9 @@ def test_peer_killed_mid_transfer_is_an_error_within_the_recv_timeout(big, op: s
     p, _ = big
     ids = list(range(NB))
     with d_with_victim(p, f"killed-{op}") as (d, victim):
+        pid = victim("pid")
         xid, *_ = d("start", op, "victim", ids, ids, b"never")
-        os.kill(victim("pid"), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)  # 128 MiB take longer to move than this takes to arrive
         state, took = d("wait", xid, CFG.recv_timeout_s, timeout=CFG.recv_timeout_s + 30)
         assert state == "ERR" and took < CFG.recv_timeout_s
         assert d("drop_peer", "victim") < 5
