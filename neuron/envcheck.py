@@ -408,7 +408,8 @@ def check_providers(libfabric: str | None) -> Finding:
         # libfabric gives loopback addresses FI_LOCAL_COMM only (src/common.c,
         # ofi_insert_loopback_addr), so none matches the plugin's FI_REMOTE_COMM and the
         # info comes back without an address: the endpoint has no socket, fi_enable's
-        # listen(-1) fails with EBADF ("xnet_listen socket listen failed").
+        # listen(-1) fails with EBADF ("xnet_listen socket listen failed"). FI_TCP_IFACE
+        # picks tcp's interface (ofiwg/libfabric man/fi_tcp.7.md).
         return Finding("fi-provider", MISSING, f"{prov}'s first RDM domain {doms[0][0] or '?'} has no "
                        "address usable for remote peers (only loopback here, or FI_TCP_IFACE=lo): "
                        "the plugin's fi_enable fails with EBADF",
