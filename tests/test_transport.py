@@ -272,3 +272,38 @@ def test_agents_turn_cuda_ipc_get_on_unless_the_environment_says(monkeypatch) ->
     agent = transport.make_agent("ucx-env-test", ["UCX"], 1000)  # a real agent starts with it
     assert "UCX" in agent.backends
     del agent
+
+
+def test_add_peer_gives_up_after_its_timeout_and_the_call_stays_in_its_thread(pair) -> None:
+    """LIBFABRIC's add_remote_agent blocks while the peer is unreachable: with
+    add_peer_timeout_s the Transport raises instead of hanging its caller (the
+    connector's transfer thread). A FAKE agent that blocks stands in for it here."""
+    import threading
+
+    tr, _, peer, _, _ = pair
+    t2 = Transport(CpuBackend().describe(make_caches(0.0), N, BS), add_peer_timeout_s=0.5)
+    release = threading.Event()
+
+    class FakeBlockingAgent:
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def add_remote_agent(self, md: bytes) -> str:
+            release.wait(30)
+            return self.real.add_remote_agent(md)
+
+        def __getattr__(self, name: str):
+            return getattr(self.real, name)
+
+    try:
+        assert t2.add_peer("P", tr.metadata(), tr.layout).agent_name == tr.name  # in time: as before
+        t2.drop_peer("P")
+        t2.agent = FakeBlockingAgent(t2.agent)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="within 0.5s"):
+            t2.add_peer("P", tr.metadata(), tr.layout)
+        assert 0.5 <= time.monotonic() - t0 < 2 and t2.peer("P") is None
+    finally:
+        release.set()
+        t2.agent = getattr(t2.agent, "real", t2.agent)
+        t2.close()

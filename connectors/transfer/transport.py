@@ -5,6 +5,22 @@ regions registered once, peers added from their handshake metadata, and READ/WRI
 block lists whose contiguous runs are merged into single descriptors before submission
 (NIXL is handed few large descriptors, not one per block). Not thread-safe by design:
 exactly one thread (the connector's transfer thread) owns a Transport.
+
+LIBFABRIC (trn2/EFA), where NIXL 1.5.1 behaves unlike UCX (tests/test_libfabric.py, run
+over libfabric's tcp provider with FI_PROVIDER=tcp, ofiwg/libfabric man/fabric.7.md;
+trn2 uses efa): its plugin needs a libfabric exporting FABRIC_1.10, libcuda.so.1,
+libcudart.so.N and libhwloc.so.15, and tcp a non-loopback interface
+(kvferry.neuron.envcheck says what is missing). A READ's notification is sent by the
+reader's own check_xfer_state once the READ is complete (UCX's progress thread sends it
+unpolled): `poll` is that call. A WRITE's DONE only frees its source; the target's bytes
+are complete when its notification arrives there (what the push path acts on).
+Completions wait for the next poll of the plugin's progress thread, which sleeps
+``progress_delay_us`` between idle polls. add_remote_agent blocks while the peer is
+unreachable (``add_peer_timeout_s`` bounds it). A peer dying mid-transfer makes it ERR,
+but a transfer posted to a peer that died idle never ends, and from then on no transfer
+of this agent completes (the plugin retries -FI_EAGAIN forever): deadlines end each one,
+an engine restart clears it. No registration limit was met on tcp (4096 regions, a 3 GiB
+region), and lists of 4096 descriptors (4x the plugin's per-rail request pool) complete.
 """
 
 from __future__ import annotations
@@ -111,8 +127,9 @@ def make_agent(name: str, backends: Sequence[str], progress_delay_us: int):
 
 class Transport:
     def __init__(self, layout: KVLayout, backends: Sequence[str] = ("UCX",), name: str | None = None,
-                 progress_delay_us: int = 1000):
+                 progress_delay_us: int = 1000, add_peer_timeout_s: float | None = None):
         self.layout = layout
+        self.add_peer_timeout_s = add_peer_timeout_s
         self.name = name or f"kvferry-{uuid.uuid4().hex[:12]}"
         self.backends = list(backends)
         self.agent = make_agent(self.name, self.backends, progress_delay_us)
@@ -144,12 +161,36 @@ class Transport:
             check_head_compatible(self.layout, layout)
         if key in self._peers:
             self.drop_peer(key)
-        name = self.agent.add_remote_agent(agent_metadata)
+        name = self._add_remote_agent(agent_metadata)
         if isinstance(name, bytes):
             name = name.decode()
         peer = Peer(name, layout)
         self._peers[key] = peer
         return peer
+
+    def _add_remote_agent(self, agent_metadata: bytes) -> str | bytes:
+        """NIXL's add_remote_agent, given up on after ``add_peer_timeout_s``: LIBFABRIC's
+        blocks as long as the peer is unreachable (see the module docstring). The call
+        stays blocked in its own thread; the agent keeps serving every other peer."""
+        if self.add_peer_timeout_s is None:
+            return self.agent.add_remote_agent(agent_metadata)
+        out: list = []
+
+        def add() -> None:
+            try:
+                out.append(self.agent.add_remote_agent(agent_metadata))
+            except Exception as e:
+                out.append(e)
+
+        t = threading.Thread(target=add, name=f"{self.name}-add-peer", daemon=True)
+        t.start()
+        t.join(self.add_peer_timeout_s)
+        if not out:
+            raise TransferError(f"adding a remote agent did not finish within "
+                                f"{self.add_peer_timeout_s}s (peer unreachable?)")
+        if isinstance(out[0], Exception):
+            raise out[0]
+        return out[0]
 
     def peer(self, key: str) -> Peer | None:
         return self._peers.get(key)

@@ -82,11 +82,13 @@ class TransferWorker:
         self.instance = instance
         self.transport = Transport(layout, nixl_backends or cfg.transport_backends(),
                                    name=f"kvferry-{engine_id}-r{rank}",
-                                   progress_delay_us=cfg.nixl_progress_delay_us)
+                                   progress_delay_us=cfg.nixl_progress_delay_us,
+                                   add_peer_timeout_s=cfg.handshake_timeout_s)
         self.stats = Stats(engine_id, rank)  # served on the side channel (b"stats")
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
             "engine_id": engine_id, "rank": rank, "tp_size": tp_size, "instance": instance,
             "metadata": self.transport.metadata(), "layout": layout.to_wire(),
+            "nixl_backends": list(self.transport.backends),  # what this agent really runs
         })
         self._server.stats = self.stats
         self._inbox: queue.Queue[StepMeta | Ready] = queue.Queue()
