@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.layout import runs
-from kvferry.connectors.memory import CpuBackend, KVLayout
+from kvferry.connectors.memory.backends import CpuBackend, KVLayout
+from kvferry.connectors.transfer.layout import runs
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(libfabric_host.skip_reason() is not None,
@@ -59,7 +59,7 @@ def digests(caches: dict[str, torch.Tensor], ids: list[int]) -> list[bytes]:
 
 
 def _agent_main(conn, kind: str, name: str) -> None:  # a spawned agent process
-    from kvferry.connectors.transport import Transport
+    from kvferry.connectors.transfer.transport import Transport
 
     caches = make_caches(kind)
     lay = CpuBackend().describe(caches, NB if kind == "big" else N, BS)
