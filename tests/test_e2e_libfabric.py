@@ -111,4 +111,7 @@ def test_conversation_reuse_reads_history_back_from_decode(stack):
     p1 = stack.prefill.stats()
     assert p1["reuse_reads_done"] - p0["reuse_reads_done"] == 2, "one READ per later turn"
     assert p1["reuse_reads_failed"] == p0["reuse_reads_failed"]
+    # D holds the last turn's blocks under its lease until the conversation ends
+    r = httpx.delete(stack.router + "/v1/kvferry/conversations/lf-conv", timeout=30)
+    assert r.status_code == 200, r.text
     freed(stack)
