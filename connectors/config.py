@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvferry.connectors.memory.backends import HARDWARE_BACKENDS, MemoryBackend, get_backend
+from kvferry.connectors.memory.backends import MemoryBackend
+from kvferry.connectors.memory.registry import HARDWARE_BACKENDS, get_backend
 
 IDLE_POLL_S = 0.01  # transfer thread, nothing awaited: the inbox wakes it for new work
 BUSY_POLL_S = 0.0005  # a READ or WRITE in flight

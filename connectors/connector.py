@@ -17,7 +17,7 @@ from typing import Any
 from kvferry.connectors import compat
 from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory.backends import get_backend
+from kvferry.connectors.memory.registry import backend_class, get_backend
 from kvferry.connectors.protocol import timeline
 from kvferry.connectors.protocol.params import SECRET_ENV, secret
 from kvferry.connectors.scheduling.scheduler import ReuseSettings, StepMeta, TransferScheduler
@@ -92,7 +92,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 # P frees unread blocks send_timeout_s after the prefill; offers end earlier.
                 offer_ttl=max(cfg.send_timeout_s - OFFER_GUARD_S, cfg.send_timeout_s / 2),
                 stage_saves=host_staging,
-                early_push=cfg.early_push and get_backend(cfg.hardware_backend).supports_fence,
+                early_push=cfg.early_push and backend_class(cfg.hardware_backend).supports_fence,
                 num_kv_heads=compat.total_kv_heads(vllm_config))
 
     def _host_staging_possible(self) -> bool:

@@ -20,7 +20,8 @@ import torch
 from fakes.nrt_runtime import FakeRuntime, build, host_readable
 
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory.backends import DRAM, VRAM, get_backend
+from kvferry.connectors.memory.backends import DRAM, VRAM
+from kvferry.connectors.memory.registry import get_backend
 from kvferry.neuron import envcheck, libnrt
 from kvferry.neuron.arrays import NeuronArray
 from kvferry.neuron.backend import ENV_MAP_HBM, ENV_STAGING, NeuronBackend, RegistrationError

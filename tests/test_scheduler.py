@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvferry.connectors.protocol.params import SECRET_ENV, SIG, RemotePrefill, parse_offer, prompt_hash, sign
-from kvferry.connectors.scheduling.scheduler import RecvTask, StepMeta, TransferScheduler
+from kvferry.connectors.protocol.step import RecvTask, StepMeta
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
 
 BS = 4
 

@@ -18,9 +18,11 @@ from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.protocol import messages
 from kvferry.connectors.protocol.params import SECRET_ENV
-from kvferry.connectors.scheduling.scheduler import RecvTask, StepMeta, TransferScheduler
+from kvferry.connectors.protocol.step import RecvTask, StepMeta
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
 from kvferry.connectors.transfer.handshake import HandshakeServer
-from kvferry.connectors.transfer.worker import TransferWorker, _Results
+from kvferry.connectors.transfer.results import Results
+from kvferry.connectors.transfer.worker import TransferWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,9 +51,9 @@ class Engine:
         self.worker = TransferWorker(self.cfg, self.engine_id, 0,
                                      CpuBackend().describe(self.kv, N, BS))
         self.sched = TransferScheduler(self.engine_id, "127.0.0.1", self.port, BS)
-        self.acc = _Results()
+        self.acc = Results()
 
-    def collect(self, until: Callable[[_Results], bool], timeout: float) -> _Results:
+    def collect(self, until: Callable[[Results], bool], timeout: float) -> Results:
         deadline = time.monotonic() + timeout
         while True:
             r = self.worker.results()
@@ -307,11 +309,11 @@ def test_idle_step_waits_for_a_result_and_wakes_at_once(engines):
     t0 = time.monotonic()
     assert not p.worker.results(0.3).any()
     assert 0.25 <= time.monotonic() - t0 < 2.0
-    threading.Timer(0.1, p.worker.report, kwargs={"recvd": {"r1"}}).start()
+    threading.Timer(0.1, p.worker.out.report, kwargs={"recvd": {"r1"}}).start()
     t0 = time.monotonic()
     got = p.worker.results(5.0)
     assert got.recvd == {"r1"} and time.monotonic() - t0 < 1.0
-    p.worker.report(sent={"r2"})
+    p.worker.out.report(sent={"r2"})
     t0 = time.monotonic()
     assert p.worker.results(5.0).sent == {"r2"} and time.monotonic() - t0 < 0.1
 

@@ -250,25 +250,3 @@ class CudaBackend(TorchMemoryBackend):
         ev = torch.cuda.Event()
         ev.record()  # on the current stream, behind the forward's kernels
         return ev
-
-
-def _neuron_backend() -> MemoryBackend:
-    from kvferry.neuron.backend import NeuronBackend  # lazy: Neuron SDK only on trn hosts
-
-    return NeuronBackend()
-
-
-_BACKENDS: dict[str, Callable[[], MemoryBackend]] = {
-    "cpu": CpuBackend,
-    "cuda": CudaBackend,
-    "neuron": _neuron_backend,
-}
-HARDWARE_BACKENDS = tuple(_BACKENDS)
-
-
-def get_backend(name: str) -> MemoryBackend:
-    """The backend `--hardware-backend NAME` selects."""
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown hardware backend {name!r}; choose one of {HARDWARE_BACKENDS}") from None

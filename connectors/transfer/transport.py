@@ -154,6 +154,10 @@ class Transport:
     def peer(self, key: str) -> Peer | None:
         return self._peers.get(key)
 
+    def known_peers(self) -> dict[str, Peer]:
+        """Every key a peer is known by (several keys may share one remote agent)."""
+        return dict(self._peers)
+
     def alias(self, key: str, existing: str) -> Peer:
         """Reach the peer known as ``existing`` under ``key`` too, without loading its
         metadata again: NIXL re-registering a remote agent invalidates every transfer in
