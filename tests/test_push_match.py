@@ -1,4 +1,5 @@
-"""Push protocol: every ordering, duplicate, timeout and abort, plus a stateful model check."""
+"""Push protocol (protocol/push_match.py, push_receive.py): every ordering, duplicate,
+timeout and abort, plus a stateful model check."""
 
 from __future__ import annotations
 
@@ -11,15 +12,12 @@ from kvferry.connectors.protocol.push_match import (
     Destination,
     FreeBlocks,
     PushMatcher,
-    PushReceiver,
-    RecvFailed,
-    RecvReady,
     Reject,
-    ReleaseDest,
     StartWrite,
     transfer_id_for,
     validate_destination,
 )
+from kvferry.connectors.protocol.push_receive import PushReceiver, RecvFailed, RecvReady, ReleaseDest
 
 BS = 16
 

@@ -12,6 +12,7 @@ one range per block) and tokens outside heads (NHD, one range per token).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -210,16 +211,9 @@ def test_decode_validates_the_tp_split(monkeypatch, heads, p_tp, d_tp, ok):
     _, offer = p.finished("r", True, P_BLOCKS, {"do_remote_decode": True}, PROMPT)
     count, _ = d.matched_tokens("r", PROMPT, offer, 0)
     assert (d.rejection("r") is None) == ok and (count > 0) == ok
-    with pytest.raises(InvalidParams) if not ok else _nothing():
-        d._validate(PROMPT, offer)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    assert ok or f"prefill TP {p_tp} -> decode TP {d_tp}: " in d.rejection("r")
+    with pytest.raises(InvalidParams) if not ok else contextlib.nullcontext():
+        d.pull.validate(PROMPT, offer)
 
 
 class _FlashLike:
@@ -298,7 +292,7 @@ def test_push_to_a_dead_p_rank_recomputes_on_every_d_rank_without_a_hang(engines
 def test_p_rank_rejection_keeps_d_blocks_until_every_writer_settled():
     """PushReceiver: one P rank's Reject ends the wait (recompute) but the blocks are
     reused only when the other writers rejected or finished, or after the quarantine."""
-    from kvferry.connectors.protocol.push_match import PushReceiver, RecvFailed, ReleaseDest
+    from kvferry.connectors.protocol.push_receive import PushReceiver, RecvFailed, ReleaseDest
 
     r = PushReceiver(recv_timeout=60, quarantine=5)
     assert r.expect("t", "d1", {0, 1}, 0.0) == []

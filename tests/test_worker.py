@@ -172,7 +172,7 @@ def test_release_only_task_frees_p_without_reading(engines):
 
 def test_closed_handshake_port_fails_read_with_bad_blocks_within_timeout(engines):
     p, d = engines("P", seed=6), engines("D", handshake_timeout_s=0.5)
-    p.sched.port = free_port()  # the offer names a port nobody listens on
+    p.sched.pull.port = free_port()  # the offer names a port nobody listens on
     offer = p_finish(p, "p-req", P_BLOCKS)
     d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
     t0 = time.monotonic()
@@ -185,7 +185,7 @@ def test_closed_handshake_port_fails_read_with_bad_blocks_within_timeout(engines
 
 def test_offer_naming_another_engine_at_that_port_fails_with_bad_blocks(engines):
     p, d = engines("P", seed=7), engines("D")
-    p.sched.engine_id = "someone-else"
+    p.sched.pull.engine_id = "someone-else"
     offer = p_finish(p, "p-req", P_BLOCKS)
     d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
     got = d.collect(lambda r: "d-req" in r.recvd, 5)
@@ -251,9 +251,9 @@ def test_bad_peer_metadata_fails_one_request_and_worker_keeps_serving(engines):
         "engine_id": "bogus", "rank": 0, "metadata": b"not nixl metadata",
         "layout": d.worker.transport.layout.to_wire()})
     try:
-        p.sched.engine_id, p.sched.port = "bogus", bogus_port
+        p.sched.pull.engine_id, p.sched.pull.port = "bogus", bogus_port
         bad = p_finish(p, "bad", P_BLOCKS)
-        p.sched.engine_id, p.sched.port = p.engine_id, p.port
+        p.sched.pull.engine_id, p.sched.pull.port = p.engine_id, p.port
         d.worker.submit(d_task(d, "d-bad", bad, D_BLOCKS))
         got = d.collect(lambda r: "d-bad" in r.recvd, 3)
         assert got.recvd == {"d-bad"} and got.bad_blocks == set(D_BLOCKS)
@@ -277,8 +277,8 @@ def test_expired_offer_is_never_read_and_p_is_released(engines):
     """P may free unread blocks after its send timeout; an offer past its signed expiry
     must never be read (those blocks may hold another request's KV by then)."""
     p, d = engines("P", seed=11), engines("D")
-    p.sched.offer_ttl = 30.0
-    p.sched.clock = lambda: time.time() - 31.0  # the prefill finished 31 s ago
+    p.sched = TransferScheduler(p.engine_id, "127.0.0.1", p.port, BS, offer_ttl=30.0,
+                                clock=lambda: time.time() - 31.0)  # the prefill ended 31 s ago
     offer = p_finish(p, "p-req", P_BLOCKS)
     assert 0 < offer["expiry"] < time.time()
     p.worker.submit(p.sched.take_meta())
@@ -291,7 +291,7 @@ def test_expired_offer_is_never_read_and_p_is_released(engines):
 
 def test_live_offer_carries_its_expiry_and_reads(engines):
     p, d = engines("P", seed=12), engines("D")
-    p.sched.offer_ttl = 30.0
+    p.sched = TransferScheduler(p.engine_id, "127.0.0.1", p.port, BS, offer_ttl=30.0)
     offer = p_finish(p, "p-req", P_BLOCKS)
     assert time.time() + 25 < offer["expiry"] <= time.time() + 30
     p.worker.submit(p.sched.take_meta())

@@ -163,3 +163,44 @@ def parse_lease(params: Any, key: bytes | None = None) -> LeaseOffer:
     if offer.tp_size < 1 or not 0 < offer.port < 65536:
         raise InvalidParams("reuse offer has an invalid tp size or port")
     return offer
+
+
+class KvParams(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+    """The kvferry keys of one request's kv_transfer_params, as the router sends each leg.
+
+    P leg: ``do_remote_decode`` (keep the KV for a decode engine), with ``push`` and
+    ``transfer_id``, and ``reuse`` (D's signed lease offer, relayed) on a later turn.
+    D leg: ``do_remote_prefill`` with P's signed `RemotePrefill` (pull) or ``push``,
+    ``transfer_id``, ``remote_host``/``remote_port`` (P's side channel), and ``lease``
+    (``{"lease_id", "ttl"}``: keep this turn's KV). Other keys (the offer's) pass by.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    push: bool = False
+    transfer_id: str = ""
+    remote_host: str = ""
+    remote_port: int = 0
+    reuse: Any = None  # checked by parse_lease where it is used
+    lease: Any = None  # checked by the lease keeper where it is used
+
+
+def kv_params(params: Any) -> KvParams:
+    """The request's kvferry keys; all defaults (nothing to transfer) when there are none.
+    Raises InvalidParams for keys of the wrong type."""
+    if not params:
+        return KvParams()
+    if not isinstance(params, Mapping):
+        raise InvalidParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    try:
+        return msgspec.convert({k: v for k, v in params.items() if k in KvParams.__struct_fields__},
+                               KvParams)
+    except msgspec.ValidationError as e:
+        raise InvalidParams(f"malformed kv_transfer_params: {e}") from e
+
+
+class ReuseReport(msgspec.Struct):
+    """What P's reuse of D's KV did for one request, in P's returned kv_transfer_params."""
+
+    reused_tokens: int = 0
+    reuse_reason: str = ""

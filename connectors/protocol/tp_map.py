@@ -202,3 +202,18 @@ class Ranks:
         if d_tp == self.tp_size:
             return None
         return [s for s in plan(self.num_heads, self.tp_size, d_tp, d_rank) if s.p_rank == self.rank]
+
+
+MAX_TP = 64  # bound on a peer's TP size (it sizes per-rank plans)
+
+
+def split_problem(num_heads: int, src_tp: int, dst_tp: int) -> str | None:
+    """Why ranks of a TP ``dst_tp`` engine cannot each read their heads from the ranks of
+    a TP ``src_tp`` one holding them (`plan`), or None when they can."""
+    if num_heads <= 0 or src_tp > MAX_TP:
+        return "KV heads unknown or TP too large"
+    try:
+        plan(num_heads, src_tp, dst_tp, 0)
+    except ValueError as e:
+        return str(e)
+    return None

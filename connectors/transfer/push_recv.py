@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.protocol import messages, timeline
 from kvferry.connectors.protocol.params import struct_sig
-from kvferry.connectors.protocol.push_match import (
+from kvferry.connectors.protocol.push_receive import (
     PushReceiver,
     RecvAction,
     RecvFailed,
