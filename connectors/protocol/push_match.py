@@ -6,9 +6,9 @@ WRITE. `PushMatcher` is pure (no I/O, no threads, no clocks: time comes in as ``
 and returns *actions* the glue carries out, so every ordering can be tested exhaustively;
 D's side is `push_receive.PushReceiver`.
 
-Identity. The router mints one ``transfer_id`` per attempt and gives it to both legs
-together with the router-level ``req_id``. A retry is a new attempt and therefore a new
-transfer id, so a stale leg can never match a newer one.
+Identity. The router mints one ``transfer_id`` per attempt and gives it to both legs. A
+retry is a new attempt and therefore a new transfer id, so a stale leg can never match a
+newer one. P's own request id is the ``owner`` of a prefill's blocks.
 
 `PushMatcher` guarantees:
 - at most one `StartWrite` per transfer id, never for an aborted, timed-out, failed or
@@ -34,24 +34,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvferry.connectors.protocol.tombstones import Ended, Tombstones
-
-
-def transfer_id_for(request_id: str, attempt: int) -> str:
-    """The router's transfer id for one attempt of a request (fresh per retry)."""
-    return f"{request_id}#{attempt}"
+from kvferry.connectors.protocol.tombstones import End, Ended, Tombstones
 
 
 @dataclass(frozen=True)
 class Destination:
     """D's registration: where P must write, as D's scheduler allocated it."""
 
-    engine_id: str
-    agent_name: str
     block_ids: tuple[tuple[int, ...], ...]  # per D TP rank, in token order
     block_size: int  # D's tokens per block (may differ from P's)
     num_blocks: int  # D's KV capacity: every id must lie in [0, num_blocks)
-    layout: str = ""  # opaque layout signature; the transport checks compatibility
     first_token: int = 0  # D already holds [0, first_token) (its own prefix hit)
 
     def __post_init__(self) -> None:
@@ -63,10 +55,8 @@ class StartWrite:
     """Hand the transfer to P's writer thread (one per transfer id, ever)."""
 
     transfer_id: str
-    req_id: str
     src_block_ids: tuple[int, ...]  # P blocks covering [first_token, num_tokens)
     src_block_size: int
-    dest: Destination
     dest_block_ids: tuple[tuple[int, ...], ...]  # per D rank, trimmed to what is written
     first_token: int
     num_tokens: int
@@ -78,7 +68,6 @@ class FreeBlocks:
     """P may free this request's blocks now (emitted once per prefill_done)."""
 
     transfer_id: str
-    req_id: str
     block_ids: tuple[int, ...]
     reason: str
     owner: str = ""  # P's engine request id that holds the blocks
@@ -89,8 +78,6 @@ class Reject:
     """Tell D its registration will not be served: recompute; no WRITE will land."""
 
     transfer_id: str
-    req_id: str
-    dest: Destination
     reason: str
 
 
@@ -99,14 +86,12 @@ PushAction = StartWrite | FreeBlocks | Reject
 
 @dataclass
 class _Pending:
-    req_id: str
     dest: Destination | None = None
     registered_at: float = 0.0
     src: tuple[int, ...] | None = None
     num_tokens: int = 0
     prefilled_at: float = 0.0
     writing: bool = False
-    abort_requested: bool = False
     owner: str = ""
     refused: frozenset[str] = frozenset()  # other owners already freed for this id
 
@@ -168,35 +153,32 @@ class PushMatcher:
 
     # -- events ---------------------------------------------------------------------
 
-    def registered(self, transfer_id: str, req_id: str, dest: Destination, now: float
+    def registered(self, transfer_id: str, dest: Destination, now: float
                    ) -> list[PushAction]:
         """D registered destination blocks for ``transfer_id``."""
         self._seen(now)
         if (ended := self._ended.get(transfer_id)) is not None:
-            if ended.reason == "done":
+            if ended.reason is End.DONE:
                 return []  # duplicate of a served registration
-            return [Reject(transfer_id, req_id, dest, f"transfer {ended.reason}")]
+            return [Reject(transfer_id, f"transfer {ended.reason}")]
         p = self._live.get(transfer_id)
         if p is not None and p.dest is not None:
             return []  # duplicate registration: the first one stands
-        if p is not None and p.req_id != req_id:
-            return [Reject(transfer_id, req_id, dest,
-                           f"req_id mismatch: P has {p.req_id!r}, D sent {req_id!r}")]
         if (why := validate_destination(dest)) is not None:
             out: list[PushAction] = [
-                Reject(transfer_id, req_id, dest, f"invalid registration: {why}")]
+                Reject(transfer_id, f"invalid registration: {why}")]
             if p is not None:  # holding prefilled blocks for this attempt: give them up
-                out += self._end(transfer_id, "invalid", "invalid registration")
+                out += self._end(transfer_id, End.INVALID, "invalid registration")
             else:
-                self._ended.add(transfer_id, Ended("invalid", False, self._now))
+                self._ended.add(transfer_id, Ended(End.INVALID, self._now))
             return out
         if p is None:
-            self._live[transfer_id] = _Pending(req_id, dest=dest, registered_at=now)
+            self._live[transfer_id] = _Pending(dest=dest, registered_at=now)
             return []
         p.dest, p.registered_at = dest, now
         return self._match(transfer_id, p)
 
-    def prefill_done(self, transfer_id: str, req_id: str, block_ids: Sequence[int],
+    def prefill_done(self, transfer_id: str, block_ids: Sequence[int],
                      num_tokens: int, now: float, owner: str = "") -> list[PushAction]:
         """P finished prefill; its blocks ``block_ids`` (token order) hold ``num_tokens``.
 
@@ -208,33 +190,25 @@ class PushMatcher:
         if (ended := self._ended.get(transfer_id)) is not None:
             if owner in ended.owners:
                 return []  # duplicate: these blocks were already freed once
-            self._ended.add(transfer_id, Ended(ended.reason, True, self._now,
+            self._ended.add(transfer_id, Ended(ended.reason, self._now,
                                                 ended.owners | {owner}))
-            return [FreeBlocks(transfer_id, req_id, src, f"transfer {ended.reason}", owner)]
+            return [FreeBlocks(transfer_id, src, f"transfer {ended.reason}", owner)]
         p = self._live.get(transfer_id)
         if p is not None and p.src is not None:
             if owner == p.owner or owner in p.refused:
                 return []  # duplicate completion: no second write, no second free
             p.refused |= {owner}
-            return [FreeBlocks(transfer_id, req_id, src, "transfer id in use by another request",
+            return [FreeBlocks(transfer_id, src, "transfer id in use by another request",
                                owner)]
-        out: list[PushAction] = []
-        if p is not None and p.req_id != req_id:
-            # The waiting registration belongs to another attempt; P's own request wins.
-            assert p.dest is not None
-            out.append(Reject(transfer_id, p.req_id, p.dest,
-                              f"req_id mismatch: P has {req_id!r}, D sent {p.req_id!r}"))
-            del self._live[transfer_id]
-            p = None
         why = self._bad_prefill(src, num_tokens)
         if p is None:
-            p = self._live[transfer_id] = _Pending(req_id)
+            p = self._live[transfer_id] = _Pending()
         p.src, p.num_tokens, p.prefilled_at, p.owner = src, num_tokens, now, owner
         if why is not None:
-            return out + self._end(transfer_id, "invalid", f"invalid prefill: {why}")
+            return self._end(transfer_id, End.INVALID, f"invalid prefill: {why}")
         if p.dest is None:
-            return out  # hold until D registers (or hold_timeout)
-        return out + self._match(transfer_id, p)
+            return []  # hold until D registers (or hold_timeout)
+        return self._match(transfer_id, p)
 
     def write_done(self, transfer_id: str, now: float | None = None) -> list[PushAction]:
         """Every P rank's WRITE for ``transfer_id`` completed."""
@@ -243,9 +217,9 @@ class PushMatcher:
         if p is None or not p.writing:
             return []
         del self._live[transfer_id]
-        self._ended.add(transfer_id, Ended("done", True, self._now, p.refused | {p.owner}))
+        self._ended.add(transfer_id, Ended(End.DONE, self._now, p.refused | {p.owner}))
         assert p.src is not None
-        return [FreeBlocks(transfer_id, p.req_id, p.src, "written", p.owner)]
+        return [FreeBlocks(transfer_id, p.src, "written", p.owner)]
 
     def write_failed(self, transfer_id: str, reason: str, now: float | None = None
                      ) -> list[PushAction]:
@@ -254,7 +228,7 @@ class PushMatcher:
         p = self._live.get(transfer_id)
         if p is None or not p.writing:
             return []
-        return self._end(transfer_id, "write_failed", f"write failed: {reason}")
+        return self._end(transfer_id, End.WRITE_FAILED, f"write failed: {reason}")
 
     def abort(self, transfer_id: str, now: float | None = None, owner: str | None = None
               ) -> list[PushAction]:
@@ -269,12 +243,11 @@ class PushMatcher:
         if p is None:
             # Nothing seen yet: remember, so a late registration is rejected and a late
             # prefill_done frees its blocks at once.
-            self._ended.add(transfer_id, Ended("aborted", False, self._now))
+            self._ended.add(transfer_id, Ended(End.ABORTED, self._now))
             return []
-        if p.writing:
-            p.abort_requested = True  # NIXL may be reading the blocks: free on completion
+        if p.writing:  # NIXL may be reading the blocks: freed when the WRITE ends
             return []
-        return self._end(transfer_id, "aborted", "aborted on P")
+        return self._end(transfer_id, End.ABORTED, "aborted on P")
 
     def tick(self, now: float) -> list[PushAction]:
         """Time out held prefills and waiting registrations; forget old tombstones."""
@@ -284,9 +257,9 @@ class PushMatcher:
             if p.writing:
                 continue
             if p.src is not None and now - p.prefilled_at >= self.hold_timeout:
-                out += self._end(tid, "hold_timeout", "no registration from D in time")
+                out += self._end(tid, End.HOLD_TIMEOUT, "no registration from D in time")
             elif p.src is None and now - p.registered_at >= self.register_timeout:
-                out += self._end(tid, "register_timeout", "prefill did not finish in time")
+                out += self._end(tid, End.REGISTER_TIMEOUT, "prefill did not finish in time")
         self._ended.sweep(now)
         return out
 
@@ -333,30 +306,30 @@ class PushMatcher:
         dest, src, n = p.dest, p.src, p.num_tokens
         assert dest is not None and src is not None
         if dest.first_token >= n:
-            return self._end(transfer_id, "invalid",
+            return self._end(transfer_id, End.INVALID,
                              f"D already holds {dest.first_token} >= {n} tokens")
         need = _ceil_div(n, dest.block_size) - dest.first_token // dest.block_size
         for rank, ids in enumerate(dest.block_ids):
             if len(ids) < need:
-                return self._end(transfer_id, "invalid",
+                return self._end(transfer_id, End.INVALID,
                                  f"rank {rank}: {len(ids)} destination blocks of "
                                  f"{dest.block_size} tokens cannot hold tokens "
                                  f"[{dest.first_token}, {n}) (need {need})")
         p.writing = True
         lo, hi = dest.first_token // self.block_size, _ceil_div(n, self.block_size)
-        return [StartWrite(transfer_id, p.req_id, src[lo:hi], self.block_size, dest,
+        return [StartWrite(transfer_id, src[lo:hi], self.block_size,
                            tuple(ids[:need] for ids in dest.block_ids), dest.first_token, n,
                            p.owner)]
 
-    def _end(self, transfer_id: str, reason: str, detail: str
+    def _end(self, transfer_id: str, reason: End, detail: str
              ) -> list[PushAction]:
         """Finish a live transfer unsuccessfully: free held blocks, reject D's registration."""
         p = self._live.pop(transfer_id)
         out: list[PushAction] = []
         if p.src is not None:
-            out.append(FreeBlocks(transfer_id, p.req_id, p.src, detail, p.owner))
+            out.append(FreeBlocks(transfer_id, p.src, detail, p.owner))
         if p.dest is not None:
-            out.append(Reject(transfer_id, p.req_id, p.dest, detail))
+            out.append(Reject(transfer_id, detail))
         owners = p.refused | {p.owner} if p.src is not None else p.refused
-        self._ended.add(transfer_id, Ended(reason, p.src is not None, self._now, owners))
+        self._ended.add(transfer_id, Ended(reason, self._now, owners))
         return out

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 
-from kvferry.connectors.protocol.tombstones import Ended, Tombstones
+from kvferry.connectors.protocol.tombstones import End, Ended, Tombstones
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,15 @@ class RecvReady:
     req_id: str
 
 
+class Cause(Enum):
+    """Why a transfer failed on D, which decides whom D still has to tell."""
+
+    STALE = "stale"  # the id ended before: P will never write it
+    FAILED = "failed"  # D gave up (registration failed): P may still write, ask it not to
+    REJECTED = "rejected"  # P said it writes nothing (more): other P ranks may still
+    TIMED_OUT = "timed_out"  # no WRITE in time: ask P to stop
+
+
 @dataclass(frozen=True)
 class RecvFailed:
     """The KV will not (all) arrive: D must recompute. Destination blocks stay held
@@ -31,6 +41,7 @@ class RecvFailed:
     transfer_id: str
     req_id: str
     reason: str
+    cause: Cause = Cause.FAILED
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ class PushReceiver:
             return []
         if (e := self._ended.get(transfer_id)) is not None:
             # A reused id: P has tombstoned or served it and will never write it again.
-            return [RecvFailed(transfer_id, req_id, f"stale transfer id ({e.reason})"),
+            return [RecvFailed(transfer_id, req_id, f"stale transfer id ({e.reason})", Cause.STALE),
                     ReleaseDest(transfer_id, req_id, "stale transfer id")]
         self._live[transfer_id] = _Expect(req_id, ranks, now)
         return []
@@ -111,7 +122,7 @@ class PushReceiver:
         if x.notified != x.p_ranks:
             return []
         del self._live[transfer_id]
-        self._ended.add(transfer_id, Ended("ready", True, self._now))
+        self._ended.add(transfer_id, Ended(End.READY, self._now))
         return [RecvReady(transfer_id, x.req_id)]
 
     def failed(self, transfer_id: str, reason: str, now: float
@@ -137,14 +148,14 @@ class PushReceiver:
         out: list[RecvAction] = []
         if x.quarantine_until is None:
             x.quarantine_until = now + self.quarantine
-            out.append(RecvFailed(transfer_id, x.req_id, f"rejected by P: {reason}"))
+            out.append(RecvFailed(transfer_id, x.req_id, f"rejected by P: {reason}", Cause.REJECTED))
         return out + self._release_if_settled(transfer_id, x)
 
     def _release_if_settled(self, transfer_id: str, x: _Expect) -> list[RecvAction]:
         if not (x.rejected and x.settled()):
             return []
         del self._live[transfer_id]
-        self._ended.add(transfer_id, Ended("rejected", True, self._now))
+        self._ended.add(transfer_id, Ended(End.REJECTED, self._now))
         return [ReleaseDest(transfer_id, x.req_id, "P acknowledged")]
 
     def abort(self, transfer_id: str, now: float) -> list[RecvAction]:
@@ -163,10 +174,10 @@ class PushReceiver:
         for tid, x in list(self._live.items()):
             if x.quarantine_until is None and now - x.since >= self.recv_timeout:
                 x.quarantine_until = now + self.quarantine
-                out.append(RecvFailed(tid, x.req_id, "timed out waiting for P's WRITE"))
+                out.append(RecvFailed(tid, x.req_id, "timed out waiting for P's WRITE", Cause.TIMED_OUT))
             if x.quarantine_until is not None and now >= x.quarantine_until:
                 del self._live[tid]
-                self._ended.add(tid, Ended("released", True, self._now))
+                self._ended.add(tid, Ended(End.RELEASED, self._now))
                 out.append(ReleaseDest(tid, x.req_id, "quarantine over"))
         self._ended.sweep(now)
         return out

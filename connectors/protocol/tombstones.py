@@ -9,14 +9,28 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class End(StrEnum):
+    """How a transfer ended (its value is what `state()` and messages say)."""
+
+    DONE = "done"  # P: written
+    ABORTED = "aborted"
+    HOLD_TIMEOUT = "hold_timeout"  # P: no registration in time
+    REGISTER_TIMEOUT = "register_timeout"  # P: no prefill in time
+    WRITE_FAILED = "write_failed"
+    INVALID = "invalid"
+    READY = "ready"  # D: every P rank's WRITE landed
+    REJECTED = "rejected"  # D: P acknowledged it writes nothing (more)
+    RELEASED = "released"  # D: quarantine over
 
 
 @dataclass(frozen=True)
 class Ended:
-    reason: str  # done | aborted | hold_timeout | register_timeout | write_failed | invalid
-    had_prefill: bool  # a prefill_done was accepted (and its blocks freed)
+    reason: End
     at: float
-    owners: frozenset[str] = frozenset()  # whose prefill_done was seen (and freed)
+    owners: frozenset[str] = frozenset()  # P: whose prefill_done was seen (and freed)
 
 
 class Tombstones:
@@ -39,7 +53,7 @@ class Tombstones:
     def sweep(self, now: float) -> None:
         for key, e in list(self._d.items()):
             if e.at == -math.inf:  # ended before any clock was seen: start its TTL now
-                self._d[key] = Ended(e.reason, e.had_prefill, now, e.owners)
+                self._d[key] = Ended(e.reason, now, e.owners)
             elif now - e.at >= self.ttl:
                 del self._d[key]
             else:

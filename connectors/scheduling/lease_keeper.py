@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvferry.connectors.protocol.lease import FreeBlocks, LeaseError, LeaseTable
+from kvferry.connectors.protocol.lease import DEFAULT_TTL, FreeBlocks, LeaseError, LeaseTable, Refusal
 from kvferry.connectors.protocol.params import LeaseOffer, sign_lease
 from kvferry.connectors.protocol.prefix import block_hashes
 
@@ -33,7 +33,7 @@ TICK_S = 0.05  # sweep leases at most this often (the idle engine steps every ~1
 
 class LeaseKeeper:
     def __init__(self, engine_id: str, instance: str, host: str, port: int, block_size: int,
-                 tp_size: int = 1, *, ttl: float = 480.0, max_lifetime: float = 3600.0,
+                 tp_size: int = 1, *, ttl: float = DEFAULT_TTL, max_lifetime: float = 3600.0,
                  max_blocks: int | None = None, free_grace: float = 3.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.engine_id, self.instance = engine_id, instance
@@ -41,8 +41,7 @@ class LeaseKeeper:
         self.block_size, self.tp_size = block_size, tp_size
         self.free_grace = free_grace
         self.clock = clock
-        self.table = LeaseTable(ttl, max_lifetime=max_lifetime, max_blocks=max_blocks,
-                                read_timeout=None)
+        self.table = LeaseTable(ttl, max_lifetime=max_lifetime, max_blocks=max_blocks)
         self._offers: dict[str, LeaseOffer] = {}
         self._frees: list[tuple[float, str]] = []  # (free at, req id)
         self._last_tick = float("-inf")
@@ -101,7 +100,7 @@ class LeaseKeeper:
         with self._lock:
             if self._frees:
                 return True
-            victim = next(iter(self.table._held), None)  # LRU order
+            victim = self.table.least_recent()
             if victim is None:
                 return False
             log.info("lease %s: released early, decode needs its blocks", victim)
@@ -133,9 +132,9 @@ class LeaseKeeper:
             lease = self.table.get(lease_id)
             if lease is None:
                 self.table.renew(lease_id, now, 0.0)  # raises the precise LeaseError
-                raise LeaseError(lease_id, "unknown")
+                raise LeaseError(lease_id, Refusal.UNKNOWN)
             if now >= lease.expiry:
-                raise LeaseError(lease_id, "expired")
+                raise LeaseError(lease_id, Refusal.EXPIRED)
             return sign_lease(self._offers[lease_id])
 
     # -- internals -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.protocol import messages, timeline
 from kvferry.connectors.protocol.params import struct_sig
 from kvferry.connectors.protocol.push_receive import (
+    Cause,
     PushReceiver,
     RecvAction,
     RecvFailed,
@@ -158,7 +159,8 @@ class PushRecv:
             elif isinstance(a, RecvFailed):
                 log.warning("push %s (request %s): %s; recomputing once no WRITE can land",
                             a.transfer_id, a.req_id, a.reason)
-                if d is not None and ("rejected" not in a.reason or len(d.p_ranks) > 1):
+                # P's own Reject needs no Abort back, unless other P ranks may still write
+                if d is not None and (a.cause is not Cause.REJECTED or len(d.p_ranks) > 1):
                     self._tell_p(d, messages.Abort(a.transfer_id))
             elif isinstance(a, ReleaseDest):
                 self._d.pop(a.transfer_id, None)

@@ -34,7 +34,7 @@ from kvferry.connectors.protocol.tp_map import Ranks
 from kvferry.connectors.transfer.mirror import Mirror
 from kvferry.connectors.transfer.peers import Peers
 from kvferry.connectors.transfer.results import ResultBox
-from kvferry.connectors.transfer.transport import Transfer, Transport
+from kvferry.connectors.transfer.transport import Transfer, Transport, XferState
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -158,8 +158,8 @@ class PushWrite:
             p.req_id, p.prompt_hash, p.ended_at = s.req_id, s.prompt_hash, s.ended_at
             if p.reg is not None and p.reg.prompt_hash != s.prompt_hash:
                 self._run(self.matcher.abort(s.transfer_id, now))  # D registered another prompt
-        self._run(self.matcher.prefill_done(s.transfer_id, s.transfer_id, s.block_ids,
-                                            s.num_tokens, now, owner=s.req_id))
+        self._run(self.matcher.prefill_done(s.transfer_id, s.block_ids, s.num_tokens, now,
+                                            owner=s.req_id))
         # A duplicate (the scheduler's push_send after an early push wrote) decides
         # nothing: drop the entry it re-created, or it would linger (and keep the thread
         # polling for a registration) forever.
@@ -253,8 +253,8 @@ class PushWrite:
         p.reg = msg
         if p.req_id and p.prompt_hash != msg.prompt_hash:
             self._run(self.matcher.abort(msg.transfer_id, now))
-        dest = Destination(msg.engine_id, "", (tuple(msg.block_ids),), msg.block_size,
-                           msg.num_blocks, first_token=msg.first_token)
+        dest = Destination((tuple(msg.block_ids),), msg.block_size, msg.num_blocks,
+                           first_token=msg.first_token)
         if msg.block_size != self.matcher.block_size:
             self._notify_d(msg, messages.Rejected(msg.transfer_id, "block sizes differ",
                                                   self.ranks.rank))
@@ -262,7 +262,7 @@ class PushWrite:
             self._run(self.matcher.abort(msg.transfer_id, now))
             self._forget_if_ended(msg.transfer_id)
             return
-        self._run(self.matcher.registered(msg.transfer_id, msg.transfer_id, dest, now))
+        self._run(self.matcher.registered(msg.transfer_id, dest, now))
         self._forget_if_ended(msg.transfer_id)
 
     # -- polling --------------------------------------------------------------------------
@@ -271,10 +271,10 @@ class PushWrite:
             self._release_ready(now)
         for tid, wr in list(self._writes.items()):
             state = self.transport.poll_all(wr.xfers)
-            if state == "PROC" and now < wr.deadline:
+            if state == XferState.PROC and now < wr.deadline:
                 continue
             del self._writes[tid]
-            if state == "DONE":
+            if state == XferState.DONE:
                 timeline.mark(log, tid, "write_done")
                 after = (time.time() - wr.ended_at) * 1e3 if wr.ended_at else float("nan")
                 log.info("kvferry WRITE %s: %d B in %d descriptors, %.1f ms; done %.1f ms after "
@@ -285,8 +285,8 @@ class PushWrite:
             else:
                 for x in wr.xfers:
                     self.transport.release(x)
-                self._run(self.matcher.write_failed(tid, "timed out" if state == "PROC" else "error",
-                                                    now))
+                why = "timed out" if state == XferState.PROC else "error"
+                self._run(self.matcher.write_failed(tid, why, now))
         if now - self._last_tick >= TICK_S:
             self._last_tick = now
             self._run(self.matcher.tick(now))

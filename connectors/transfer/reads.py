@@ -17,7 +17,7 @@ from kvferry.connectors.protocol.tp_map import Ranks
 from kvferry.connectors.transfer.mirror import Mirror
 from kvferry.connectors.transfer.peers import Peers
 from kvferry.connectors.transfer.results import ResultBox
-from kvferry.connectors.transfer.transport import Peer, Transfer, Transport
+from kvferry.connectors.transfer.transport import Peer, Transfer, Transport, XferState
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -132,10 +132,10 @@ class Reads:
         """Poll every READ in flight; report each one that ended or ran past its deadline."""
         for req_id, rd in list(self._reads.items()):
             state = self.transport.poll_all(rd.xfers)
-            if state == "PROC" and now < rd.deadline:
+            if state == XferState.PROC and now < rd.deadline:
                 continue
             del self._reads[req_id]
-            if state == "DONE" and not (rd.strict and now > rd.deadline):
+            if state == XferState.DONE and not (rd.strict and now > rd.deadline):
                 log.info("kvferry %s %s: %d blocks, %d B in %d descriptors, %.1f ms",
                          "reuse READ" if isinstance(rd.task, ReuseRead) else "READ", req_id,
                          len(rd.task.local_block_ids), sum(x.nbytes for x in rd.xfers),
@@ -146,7 +146,7 @@ class Reads:
                 self.out.report(recvd={req_id}, bad_blocks=() if ok else rd.task.local_block_ids)
             else:
                 log.warning("request %s: READ %s; recomputing", req_id,
-                            "failed" if state == "ERR" else "timed out")
+                            "failed" if state == XferState.ERR else "timed out")
                 for x in rd.xfers:
                     self.transport.release(x)
                 self.peers.drop_engine(rd.engine_id, rd.engine_tp)
