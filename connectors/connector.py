@@ -104,11 +104,9 @@ class KvferryConnector(KVConnectorBase_V1):
         possible: P then ships `StepMeta.save` lists a device-mode worker ignores, and D
         grants no leases (a stale mirror would be a wrong answer, no lease is a recompute).
         """
-        if self.cfg.hardware_backend != "neuron":
-            return False
-        backend = get_backend("neuron")  # constructing and configuring touch no hardware
+        backend = get_backend(self.cfg.hardware_backend)  # constructing, configuring: no hardware
         backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
-        return backend.may_stage  # device and mapped HBM are registered in place
+        return backend.may_stage  # neuron's device and mapped HBM are registered in place
 
     def _lease_keeper(self, vllm_config: Any, kv_cache_config: Any, tp: int) -> Any:
         """D's leases (bidirectional reuse) and the router's control channel onto them."""
@@ -196,8 +194,7 @@ class KvferryConnector(KVConnectorBase_V1):
         rank = compat.tp_rank()
         n = compat.num_blocks(self._vllm_config, self._kv_cache_config)
         backend = self._backend = get_backend(self.cfg.hardware_backend)
-        if hasattr(backend, "configure"):  # neuron: registration mode from the extra config
-            backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
+        backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
         # Neuron: the framework (libtorch-neuronx) started the runtime before this call;
         # kvferry never initialises it (kvferry/neuron/libnrt.py says why).
         if heads_dim is None and kv_caches:
@@ -213,7 +210,7 @@ class KvferryConnector(KVConnectorBase_V1):
         def start(lay: Any) -> TransferWorker:
             # Host staging (neuron): the layout is the DRAM mirror and the worker copies
             # device <-> mirror around transfers; cpu/cuda and the other neuron modes have none.
-            staging = getattr(backend, "staging", None)
+            staging = backend.staging
             return TransferWorker(self.cfg, self.engine_id, rank, lay,
                                   self.cfg.transport_backends(backend), self.instance,
                                   staging=staging if staging is not None and lay is staging.layout

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 DEFAULT_TTL = 480.0  # decoder_kv_blocks_ttl: the one default (config and keeper use it)
+DEFAULT_MAX_LIFETIME = 3600.0  # lease_max_lifetime_s: renewals never go past it
+DEFAULT_FREE_GRACE = 3.0  # lease_free_grace_s: > P's reuse READ timeout
 
 
 class Refusal(StrEnum):
@@ -80,7 +82,7 @@ class LeaseTable:
         self,
         ttl: float = DEFAULT_TTL,
         *,
-        max_lifetime: float = 3600.0,
+        max_lifetime: float = DEFAULT_MAX_LIFETIME,
         max_blocks: int | None = None,
         tombstone_ttl: float = 3600.0,
         max_tombstones: int = 100_000,

@@ -36,6 +36,10 @@ from dataclasses import dataclass
 
 from kvferry.connectors.protocol.tombstones import End, Ended, Tombstones
 
+HOLD_TIMEOUT_S = 30.0  # push_hold_timeout_s: prefilled blocks wait this long for D
+REGISTER_TIMEOUT_S = 120.0  # push_register_timeout_s: a registration waits for the prefill
+TOMBSTONE_TTL_S = 600.0
+
 
 @dataclass(frozen=True)
 class Destination:
@@ -133,9 +137,9 @@ class PushMatcher:
         block_size: int,
         num_blocks: int | None = None,
         *,
-        hold_timeout: float = 30.0,
-        register_timeout: float = 120.0,
-        tombstone_ttl: float = 600.0,
+        hold_timeout: float = HOLD_TIMEOUT_S,
+        register_timeout: float = REGISTER_TIMEOUT_S,
+        tombstone_ttl: float = TOMBSTONE_TTL_S,
         max_tombstones: int = 100_000,
     ) -> None:
         """``hold_timeout``: how long prefilled blocks wait for D's registration;

@@ -13,7 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvferry.connectors.protocol.push_match import TOMBSTONE_TTL_S
 from kvferry.connectors.protocol.tombstones import End, Ended, Tombstones
+
+RECV_TIMEOUT_S = 180.0  # push_recv_timeout_s: > P's register timeout + the WRITE
+QUARANTINE_S = 10.0  # push_quarantine_s: how long a WRITE P started may still land
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,9 @@ class PushReceiver:
     def __init__(
         self,
         *,
-        recv_timeout: float = 180.0,
-        quarantine: float = 30.0,
-        tombstone_ttl: float = 600.0,
+        recv_timeout: float = RECV_TIMEOUT_S,
+        quarantine: float = QUARANTINE_S,
+        tombstone_ttl: float = TOMBSTONE_TTL_S,
         max_tombstones: int = 100_000,
     ) -> None:
         """``recv_timeout`` should exceed P's ``register_timeout`` plus the write time, so

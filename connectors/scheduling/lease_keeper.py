@@ -22,7 +22,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvferry.connectors.protocol.lease import DEFAULT_TTL, FreeBlocks, LeaseError, LeaseTable, Refusal
+from kvferry.connectors.protocol.lease import (
+    DEFAULT_FREE_GRACE,
+    DEFAULT_MAX_LIFETIME,
+    DEFAULT_TTL,
+    FreeBlocks,
+    LeaseError,
+    LeaseTable,
+    Refusal,
+)
 from kvferry.connectors.protocol.params import LeaseOffer, sign_lease
 from kvferry.connectors.protocol.prefix import block_hashes
 
@@ -33,8 +41,8 @@ TICK_S = 0.05  # sweep leases at most this often (the idle engine steps every ~1
 
 class LeaseKeeper:
     def __init__(self, engine_id: str, instance: str, host: str, port: int, block_size: int,
-                 tp_size: int = 1, *, ttl: float = DEFAULT_TTL, max_lifetime: float = 3600.0,
-                 max_blocks: int | None = None, free_grace: float = 3.0,
+                 tp_size: int = 1, *, ttl: float = DEFAULT_TTL, max_lifetime: float = DEFAULT_MAX_LIFETIME,
+                 max_blocks: int | None = None, free_grace: float = DEFAULT_FREE_GRACE,
                  clock: Callable[[], float] = time.time) -> None:
         self.engine_id, self.instance = engine_id, instance
         self.host, self.port = host, port

@@ -20,7 +20,14 @@ from kvferry.connectors.protocol.params import (
     ReuseReport,
     parse_lease,
 )
-from kvferry.connectors.protocol.reuse import Decision, RemoteOffer, decide_reuse
+from kvferry.connectors.protocol.reuse import (
+    DEFAULT_LEASE_MARGIN,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_RECOMPUTE_THRESHOLD,
+    Decision,
+    RemoteOffer,
+    decide_reuse,
+)
 from kvferry.connectors.protocol.step import ReuseRead, StepMeta
 from kvferry.connectors.scheduling.pull import check_split
 
@@ -29,9 +36,9 @@ log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 @dataclass
 class ReuseSettings:
-    threshold: int = 64  # kv_recompute_threshold
-    margin_s: float = 2.0
-    read_timeout_s: float = 1.5
+    threshold: int = DEFAULT_RECOMPUTE_THRESHOLD
+    margin_s: float = DEFAULT_LEASE_MARGIN
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT
 
 
 class ReusePlanner:
