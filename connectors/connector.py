@@ -19,7 +19,7 @@ from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, K
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.registry import backend_class, get_backend
 from kvferry.connectors.protocol import timeline
-from kvferry.connectors.protocol.params import SECRET_ENV, secret
+from kvferry.connectors.protocol.params import SECRET_ENV, secret, spend_attempts
 from kvferry.connectors.scheduling.scheduler import ReuseSettings, StepMeta, TransferScheduler
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -141,12 +141,8 @@ class KvferryConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         self._sched.after_alloc(request.request_id, compat.request_blocks(blocks),
                                 num_external_tokens, params if isinstance(params, dict) else None)
-        if isinstance(params, dict) and params.get("do_remote_prefill"):
-            # One READ attempt per request: after a failed READ vLLM reschedules it, and
-            # it must then recompute instead of asking the same (dead) peer again.
-            params["do_remote_prefill"] = False
-        if isinstance(params, dict) and params.get("reuse") is not None and num_external_tokens > 0:
-            params["reuse"] = None  # one reuse READ attempt, likewise
+        if isinstance(params, dict):
+            spend_attempts(params, num_external_tokens > 0)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         sched = self._sched

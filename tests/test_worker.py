@@ -17,7 +17,7 @@ from helpers_http import free_port
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.protocol import messages
-from kvferry.connectors.protocol.params import SECRET_ENV
+from kvferry.connectors.protocol.params import PROTOCOL_VERSION, SECRET_ENV
 from kvferry.connectors.protocol.step import RecvTask, StepMeta
 from kvferry.connectors.scheduling.scheduler import TransferScheduler
 from kvferry.connectors.transfer.handshake import HandshakeServer
@@ -243,13 +243,32 @@ def test_unknown_notifications_do_not_free_other_requests(engines):
     assert p.collect(lambda r: False, 0.3).sent == {"p-req"}
 
 
+def test_peer_of_another_protocol_version_is_refused_at_the_handshake(engines):
+    """A P of another kvferry version answers the side channel with its version: D reads
+    nothing from it (bad blocks: recompute) and still serves the next offer."""
+    p, d = engines("P", seed=13), engines("D")
+    other_port = free_port()
+    other = HandshakeServer("127.0.0.1", other_port, {
+        "engine_id": "other", "rank": 0, "metadata": p.worker.transport.metadata(),
+        "layout": p.worker.transport.layout.to_wire(), "protocol": PROTOCOL_VERSION + 1})
+    try:
+        p.sched.pull.engine_id, p.sched.pull.port = "other", other_port
+        offer = p_finish(p, "old", P_BLOCKS)
+        d.worker.submit(d_task(d, "d-old", offer, D_BLOCKS))
+        got = d.collect(lambda r: "d-old" in r.recvd, 5)
+        assert got.recvd == {"d-old"} and got.bad_blocks == set(D_BLOCKS)
+        assert d.worker.transport.peer("other/0") is None
+    finally:
+        other.close()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_bad_peer_metadata_fails_one_request_and_worker_keeps_serving(engines):
     p, d = engines("P", seed=11), engines("D", recv_timeout_s=5)
     bogus_port = free_port()
     bogus = HandshakeServer("127.0.0.1", bogus_port, {
         "engine_id": "bogus", "rank": 0, "metadata": b"not nixl metadata",
-        "layout": d.worker.transport.layout.to_wire()})
+        "layout": d.worker.transport.layout.to_wire(), "protocol": PROTOCOL_VERSION})
     try:
         p.sched.pull.engine_id, p.sched.pull.port = "bogus", bogus_port
         bad = p_finish(p, "bad", P_BLOCKS)

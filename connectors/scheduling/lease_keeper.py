@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvferry.connectors.protocol.lease import (
@@ -31,7 +31,7 @@ from kvferry.connectors.protocol.lease import (
     LeaseTable,
     Refusal,
 )
-from kvferry.connectors.protocol.params import LeaseOffer, sign_lease
+from kvferry.connectors.protocol.params import InvalidParams, LeaseOffer, lease_request, sign
 from kvferry.connectors.protocol.prefix import block_hashes
 
 log = logging.getLogger("vllm." + __name__)
@@ -59,15 +59,15 @@ class LeaseKeeper:
     def grant(self, req_id: str, request: Any, block_ids: Sequence[int], token_ids: Sequence[int],
               num_computed: int) -> dict[str, Any] | None:
         """Lease a finished request's blocks; the signed offer, or None (free them now)."""
-        if not isinstance(request, Mapping) or not isinstance(request.get("lease_id"), str):
-            log.warning("request %s: malformed lease request %r; not keeping its KV", req_id, request)
+        try:
+            asked = lease_request(request)
+        except InvalidParams as e:
+            log.warning("request %s: %s; not keeping its KV", req_id, e)
             return None
-        lease_id = request["lease_id"]
-        ttl = request.get("ttl")
-        ttl = float(ttl) if isinstance(ttl, int | float) and ttl > 0 else None
+        lease_id, ttl = asked.lease_id, asked.ttl
         n_kv = max(0, min(num_computed, len(token_ids)))
         full = min(n_kv // self.block_size, len(block_ids))
-        if full == 0 or not 0 < len(lease_id) <= 128:
+        if full == 0:
             return None
         tokens = list(token_ids[: full * self.block_size])
         hashes = block_hashes(tokens, self.block_size)
@@ -86,7 +86,7 @@ class LeaseKeeper:
             self._offers[lease_id] = offer
         log.info("lease %s: %d blocks (%d tokens) of request %s until +%.0fs", lease_id, full,
                  len(tokens), req_id, expiry - now)
-        return sign_lease(offer)
+        return sign(offer)
 
     def due_frees(self) -> list[str]:
         """Request ids whose blocks may be freed now (leases ended at least a grace ago)."""
@@ -127,7 +127,7 @@ class LeaseKeeper:
             expiry = self.table.renew(lease_id, now, ttl)
             offer = self._offers[lease_id]
             offer.expiry = expiry
-            return sign_lease(offer)
+            return sign(offer)
 
     def release(self, lease_id: str) -> None:
         now = self.clock()
@@ -143,7 +143,7 @@ class LeaseKeeper:
                 raise LeaseError(lease_id, Refusal.UNKNOWN)
             if now >= lease.expiry:
                 raise LeaseError(lease_id, Refusal.EXPIRED)
-            return sign_lease(self._offers[lease_id])
+            return sign(self._offers[lease_id])
 
     # -- internals -----------------------------------------------------------------------
     def _schedule(self, freed: list[FreeBlocks], now: float) -> None:

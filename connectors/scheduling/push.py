@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvferry.connectors.protocol import timeline
-from kvferry.connectors.protocol.params import KvParams, blocks_needed, prompt_hash
+from kvferry.connectors.protocol.params import KvParams, blocks_needed, prompt_hash, push_answer
 from kvferry.connectors.protocol.step import PushSend, RegisterTask, StepMeta
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -121,4 +121,4 @@ class PushPlanner:
         timeline.mark(log, tid, "prefill_end", ended)
         meta.push_send.append(PushSend(req_id, tid, list(block_ids), len(prompt),
                                        prompt_hash(prompt), ended))
-        return PushFinish(True, {"transfer_id": tid, "push": True})
+        return PushFinish(True, push_answer(tid))

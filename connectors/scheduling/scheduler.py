@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from kvferry.connectors.protocol.params import InvalidParams, KvParams, kv_params
+from kvferry.connectors.protocol.params import InvalidParams, KvParams, kv_params, lease_answer
 from kvferry.connectors.protocol.step import StepMeta
 from kvferry.connectors.scheduling.early_push import EarlyPush
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
@@ -172,7 +172,7 @@ class TransferScheduler:
         if ok and block_ids and self.leases is not None:
             lease = self.leases.grant(req_id, kp.lease, block_ids, tokens, num_computed)
             if lease is not None:
-                return True, {"lease": lease}
+                return True, lease_answer(lease)
         return False, None
 
     def worker_done(self, sent: set[str], recvd: set[str] = frozenset(),

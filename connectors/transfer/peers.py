@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
 from kvferry.connectors.memory.backends import KVLayout
 from kvferry.connectors.protocol import messages
+from kvferry.connectors.protocol.params import PROTOCOL_VERSION
 from kvferry.connectors.transfer.handshake import HandshakeError, fetch
 from kvferry.connectors.transfer.transport import Peer, Transport
 
@@ -41,22 +44,34 @@ class Peers:
         peer = self.transport.peer(key)
         if peer is not None:
             return engine_id or self._engine[key], peer
-        info = fetch(host, port + rank, self.handshake_timeout_s)
-        found = str(info.get("engine_id"))
+        hello = self._hello(host, port + rank)
+        found = hello.engine_id
         if engine_id and found != engine_id:
             raise HandshakeError(f"{host}:{port} is engine {found!r}, expected {engine_id!r}")
-        if int(info.get("rank", rank)) != rank:
-            raise HandshakeError(f"{host}:{port + rank} serves rank {info.get('rank')}, not {rank}")
+        if hello.rank != rank:
+            raise HandshakeError(f"{host}:{port + rank} serves rank {hello.rank}, not {rank}")
         ekey, akey = peer_key(rank, found), peer_key(rank, None, host, port)
-        instance = str(info.get("instance", ""))
-        if self.transport.peer(ekey) is None or self._instances.get(ekey) != instance:
-            self.transport.add_peer(ekey, info["metadata"], KVLayout.from_wire(info["layout"]))
+        if self.transport.peer(ekey) is None or self._instances.get(ekey) != hello.instance:
+            self.transport.add_peer(ekey, hello.metadata, KVLayout.from_wire(hello.layout))
         peer = self.transport.alias(akey, ekey)
         for k in (ekey, akey):
             self._engine[k] = found
-            self._instances[k] = instance
-            self._tp[k] = int(info.get("tp_size", 1))
+            self._instances[k] = hello.instance
+            self._tp[k] = hello.tp_size
         return found, peer
+
+    def _hello(self, host: str, port: int) -> messages.Hello:
+        """The side channel's answer at host:port, typed; HandshakeError if it is not one
+        of this protocol version."""
+        info = fetch(host, port, self.handshake_timeout_s)
+        try:
+            hello = msgspec.convert(info, messages.Hello)
+        except msgspec.ValidationError as e:
+            raise HandshakeError(f"bad handshake from {host}:{port}: {e}") from e
+        if hello.protocol != PROTOCOL_VERSION:
+            raise HandshakeError(f"{host}:{port} speaks kvferry protocol {hello.protocol}, "
+                                 f"this engine {PROTOCOL_VERSION}")
+        return hello
 
     def tp(self, host: str, port: int, engine_id: str | None = None) -> int:
         """TP size of the engine at host:port (asked of its rank 0, which every engine has)."""

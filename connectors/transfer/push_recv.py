@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.protocol import messages, timeline
-from kvferry.connectors.protocol.params import struct_sig
+from kvferry.connectors.protocol.params import mac
 from kvferry.connectors.protocol.push_receive import (
     Cause,
     PushReceiver,
@@ -103,7 +103,7 @@ class PushRecv:
             block_ids=task.block_ids, block_size=layout.block_size, num_blocks=layout.num_blocks,
             first_token=task.first_token, num_tokens=task.num_tokens, prompt_hash=task.prompt_hash,
             tp_size=self.ranks.tp_size)
-        reg.sig = struct_sig(reg)
+        reg.sig = mac(reg)
         try:
             expect, d.p_ranks, idle = self.ranks.push_targets(self.peers.tp(task.host, task.port))
         except Exception as e:  # P unreachable or an impossible split: no WRITE can land

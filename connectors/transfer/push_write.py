@@ -20,7 +20,7 @@ from typing import Any
 
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.protocol import messages, timeline
-from kvferry.connectors.protocol.params import struct_sig_ok
+from kvferry.connectors.protocol.params import mac_ok
 from kvferry.connectors.protocol.push_match import (
     Destination,
     FreeBlocks,
@@ -244,7 +244,7 @@ class PushWrite:
         if isinstance(msg, messages.Abort):
             self._run(self.matcher.abort(msg.transfer_id, now))
             return
-        if not struct_sig_ok(msg, msg.sig):
+        if not mac_ok(msg, msg.sig):
             log.warning("push %s: ignoring an unsigned or forged registration", msg.transfer_id)
             return
         log.info("push %s: registration from %s (%d blocks from token %d)", msg.transfer_id,

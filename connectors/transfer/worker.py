@@ -21,9 +21,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from kvferry.connectors.config import BUSY_POLL_S, IDLE_POLL_S, ConnectorConfig
 from kvferry.connectors.memory.backends import KVLayout
 from kvferry.connectors.protocol import messages
+from kvferry.connectors.protocol.params import PROTOCOL_VERSION
 from kvferry.connectors.protocol.step import PushSend, StepMeta
 from kvferry.connectors.protocol.tp_map import Ranks
 from kvferry.connectors.transfer.handshake import HandshakeServer
@@ -52,10 +55,10 @@ class TransferWorker:
         self.transport = Transport(layout, nixl_backends or cfg.transport_backends(),
                                    name=f"kvferry-{engine_id}-r{rank}",
                                    progress_delay_us=cfg.nixl_progress_delay_us)
-        self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank, {
-            "engine_id": engine_id, "rank": rank, "tp_size": tp_size, "instance": instance,
-            "metadata": self.transport.metadata(), "layout": layout.to_wire(),
-        })
+        hello = messages.Hello(engine_id, rank, self.transport.metadata(), layout.to_wire(),
+                               tp_size, instance, PROTOCOL_VERSION)
+        self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank,
+                                       msgspec.to_builtins(hello))
         self._inbox: queue.Queue[StepMeta | Ready] = queue.Queue()
         self.steps = 0  # engine steps begun (set by the engine thread)
         self.out = ResultBox()
