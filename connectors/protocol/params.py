@@ -125,6 +125,15 @@ def verify(params: Any, cls: type[S], key: bytes | None = None) -> S:
 
 
 # -- signed answers -----------------------------------------------------------------------
+def _endpoint_problem(tp_size: int, port: int, expiry: float) -> str | None:
+    """What both offers must hold of the engine they name and of their expiry."""
+    if tp_size < 1 or not 0 < port < 65536:
+        return "has an invalid tp size or port"
+    if not math.isfinite(expiry):
+        return "has a non-finite expiry"
+    return None
+
+
 class RemotePrefill(Signed):
     """P's offer: where the prompt's KV lives and how to fetch it."""
 
@@ -149,11 +158,7 @@ class RemotePrefill(Signed):
     def problem(self) -> str | None:
         if any(b < 0 for b in self.remote_block_ids):
             return "has a negative block id"
-        if self.remote_tp_size < 1 or not 0 < self.remote_port < 65536:
-            return "has an invalid tp size or port"
-        if not math.isfinite(self.expiry):
-            return "has a non-finite expiry"
-        return None
+        return _endpoint_problem(self.remote_tp_size, self.remote_port, self.expiry)
 
 
 class LeaseOffer(Signed):
@@ -182,11 +187,7 @@ class LeaseOffer(Signed):
     def problem(self) -> str | None:
         if any(b < 0 for b in self.block_ids) or self.block_size <= 0 or self.num_tokens < 0:
             return "has negative ids or sizes"
-        if self.tp_size < 1 or not 0 < self.port < 65536:
-            return "has an invalid tp size or port"
-        if not math.isfinite(self.expiry):
-            return "has a non-finite expiry"
-        return None
+        return _endpoint_problem(self.tp_size, self.port, self.expiry)
 
 
 def parse_offer(params: Any, key: bytes | None = None) -> RemotePrefill:

@@ -26,11 +26,7 @@ from kvferry.connectors.protocol.push_receive import (
     ReleaseDest,
 )
 from kvferry.connectors.protocol.step import RegisterTask, StepMeta
-from kvferry.connectors.protocol.tp_map import Ranks
-from kvferry.connectors.transfer.mirror import Mirror
-from kvferry.connectors.transfer.peers import Peers
-from kvferry.connectors.transfer.results import ResultBox
-from kvferry.connectors.transfer.transport import Transport
+from kvferry.connectors.transfer.rank_io import RankIO, RankPart
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -50,16 +46,11 @@ class _DReq:
     p_ranks: list[int] = field(default_factory=list)  # P ranks we registered with
 
 
-class PushRecv:
-    def __init__(self, cfg: ConnectorConfig, engine_id: str, transport: Transport, peers: Peers,
-                 ranks: Ranks, out: ResultBox, mirror: Mirror) -> None:
+class PushRecv(RankPart):
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, io: RankIO) -> None:
+        super().__init__(io)
         self.cfg = cfg
         self.engine_id = engine_id
-        self.transport = transport
-        self.peers = peers
-        self.ranks = ranks
-        self.out = out
-        self.mirror = mirror
         self.receiver = PushReceiver(recv_timeout=cfg.push_recv_timeout_s,
                                      quarantine=cfg.push_quarantine_s)
         self._d: dict[str, _DReq] = {}

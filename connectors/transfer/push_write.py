@@ -30,11 +30,8 @@ from kvferry.connectors.protocol.push_match import (
     StartWrite,
 )
 from kvferry.connectors.protocol.step import PushSend, StepMeta
-from kvferry.connectors.protocol.tp_map import Ranks
-from kvferry.connectors.transfer.mirror import Mirror
-from kvferry.connectors.transfer.peers import Peers
-from kvferry.connectors.transfer.results import ResultBox
-from kvferry.connectors.transfer.transport import Transfer, Transport, XferState
+from kvferry.connectors.transfer.rank_io import RankIO, RankPart
+from kvferry.connectors.transfer.transport import Transfer, XferState
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -71,21 +68,16 @@ class _Write:
     ended_at: float  # wall clock of the prefill's end (0: unknown)
 
 
-class PushWrite:
-    def __init__(self, cfg: ConnectorConfig, transport: Transport, peers: Peers, ranks: Ranks,
-                 out: ResultBox, mirror: Mirror, steps: Callable[[], int],
+class PushWrite(RankPart):
+    def __init__(self, cfg: ConnectorConfig, io: RankIO, steps: Callable[[], int],
                  drain: Callable[[], None]) -> None:
         """``steps``: engine steps begun so far; ``drain``: act on every step's metadata
         queued so far (an early push must see whether the next step preempted it)."""
-        self.transport = transport
-        self.peers = peers
-        self.ranks = ranks
-        self.out = out
-        self.mirror = mirror
+        super().__init__(io)
         self.recv_timeout_s = cfg.recv_timeout_s
         self._steps = steps
         self._drain = drain
-        layout = transport.layout
+        layout = self.transport.layout
         self.matcher = PushMatcher(layout.block_size, layout.num_blocks,
                                    hold_timeout=cfg.push_hold_timeout_s,
                                    register_timeout=cfg.push_register_timeout_s)

@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 
 from kvferry.connectors.protocol import messages
 from kvferry.connectors.protocol.step import RecvTask, ReuseRead
-from kvferry.connectors.protocol.tp_map import Ranks
-from kvferry.connectors.transfer.mirror import Mirror
-from kvferry.connectors.transfer.peers import Peers
-from kvferry.connectors.transfer.results import ResultBox
-from kvferry.connectors.transfer.transport import Peer, Transfer, Transport, XferState
+from kvferry.connectors.transfer.rank_io import RankIO, RankPart
+from kvferry.connectors.transfer.transport import Peer, Transfer, XferState
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -34,14 +31,9 @@ class _Read:
     notices: list[tuple[Peer, bytes]] = field(default_factory=list)  # sent once all are done
 
 
-class Reads:
-    def __init__(self, transport: Transport, peers: Peers, ranks: Ranks, out: ResultBox,
-                 mirror: Mirror, recv_timeout_s: float) -> None:
-        self.transport = transport
-        self.peers = peers
-        self.ranks = ranks
-        self.out = out
-        self.mirror = mirror
+class Reads(RankPart):
+    def __init__(self, io: RankIO, recv_timeout_s: float) -> None:
+        super().__init__(io)
         self.recv_timeout_s = recv_timeout_s
         self._reads: dict[str, _Read] = {}
 

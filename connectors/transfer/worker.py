@@ -34,6 +34,7 @@ from kvferry.connectors.transfer.mirror import Mirror, Staging
 from kvferry.connectors.transfer.peers import Peers
 from kvferry.connectors.transfer.push_recv import PushRecv
 from kvferry.connectors.transfer.push_write import PushWrite, Ready
+from kvferry.connectors.transfer.rank_io import RankIO
 from kvferry.connectors.transfer.reads import Reads
 from kvferry.connectors.transfer.results import ResultBox, Results
 from kvferry.connectors.transfer.sends import Sends
@@ -64,13 +65,11 @@ class TransferWorker:
         self.out = ResultBox()
         self.mirror = Mirror(staging)
         self.peers = Peers(self.transport, rank, cfg.handshake_timeout_s)
-        self.reads = Reads(self.transport, self.peers, self.ranks, self.out, self.mirror,
-                           cfg.recv_timeout_s)
+        io = RankIO(self.transport, self.peers, self.ranks, self.out, self.mirror)
+        self.reads = Reads(io, cfg.recv_timeout_s)
         self.sends = Sends(self.out, cfg.send_timeout_s)
-        self.push_recv = PushRecv(cfg, engine_id, self.transport, self.peers, self.ranks,
-                                  self.out, self.mirror)
-        self.push_write = PushWrite(cfg, self.transport, self.peers, self.ranks, self.out,
-                                    self.mirror, steps=lambda: self.steps, drain=self._drain_inbox)
+        self.push_recv = PushRecv(cfg, engine_id, io)
+        self.push_write = PushWrite(cfg, io, steps=lambda: self.steps, drain=self._drain_inbox)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvferry-xfer-r{rank}", daemon=True)
         self._thread.start()
