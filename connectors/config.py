@@ -6,7 +6,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvferry.connectors.memory.backends import HARDWARE_BACKENDS, MemoryBackend, get_backend
+from kvferry.connectors.memory.backends import MemoryBackend
+from kvferry.connectors.memory.registry import HARDWARE_BACKENDS, get_backend
+from kvferry.connectors.protocol import lease, push_match, push_receive, reuse
+
+SIDE_CHANNEL_PORT = 5600  # rank r's handshake listens on side_channel_port + r
+
+
+def default_control_port(side_channel_port: int, tp_size: int) -> int:
+    """Where D's lease control channel listens unless configured: the port after its TP
+    ranks' side-channel ports (the one rule the connector, launchers and tests share)."""
+    return side_channel_port + tp_size
+
 
 IDLE_POLL_S = 0.01  # transfer thread, nothing awaited: the inbox wakes it for new work
 BUSY_POLL_S = 0.0005  # a READ or WRITE in flight
@@ -35,7 +46,7 @@ class ConnectorConfig(BaseModel):
     # (2P2D on two cores in CI lost a transfer to the busier poll).
     notif_poll_ms: float | None = Field(None, gt=0, le=100)
     side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = Field(5600, ge=1, le=65535)  # + tp rank
+    side_channel_port: int = Field(SIDE_CHANNEL_PORT, ge=1, le=65535)  # + tp rank
     handshake_timeout_s: float = Field(5.0, gt=0)
     # P keeps a finished prefill's blocks this long for D to read, then frees them.
     send_timeout_s: float = Field(120.0, gt=0)
@@ -45,10 +56,10 @@ class ConnectorConfig(BaseModel):
     # waits this long for P's prefill (queueing + long prompts); D waits this long for the
     # WRITE, then keeps its destination blocks quarantined a little longer in case a late
     # WRITE still lands.
-    push_hold_timeout_s: float = Field(30.0, gt=0)
-    push_register_timeout_s: float = Field(120.0, gt=0)
-    push_recv_timeout_s: float = Field(180.0, gt=0)
-    push_quarantine_s: float = Field(10.0, ge=0)
+    push_hold_timeout_s: float = Field(push_match.HOLD_TIMEOUT_S, gt=0)
+    push_register_timeout_s: float = Field(push_match.REGISTER_TIMEOUT_S, gt=0)
+    push_recv_timeout_s: float = Field(push_receive.RECV_TIMEOUT_S, gt=0)
+    push_quarantine_s: float = Field(push_receive.QUARANTINE_S, ge=0)
     # Push, P: start the WRITE when the forward that computes a prompt's last tokens has
     # finished on the device (a fence recorded in wait_for_save), not a step later when
     # the scheduler has processed its output. Backends without a fence (neuron) ignore it.
@@ -62,19 +73,19 @@ class ConnectorConfig(BaseModel):
     # Bidirectional reuse. D: a finished turn the router marked keeps its blocks under a
     # lease for this long (renewable by heartbeats up to lease_max_lifetime_s); leases
     # hold at most lease_max_fraction of the KV cache and yield (LRU) to live requests.
-    decoder_kv_blocks_ttl: float = Field(480.0, gt=0)
-    lease_max_lifetime_s: float = Field(3600.0, gt=0)
+    decoder_kv_blocks_ttl: float = Field(lease.DEFAULT_TTL, gt=0)
+    lease_max_lifetime_s: float = Field(lease.DEFAULT_MAX_LIFETIME, gt=0)
     lease_max_fraction: float = Field(0.5, gt=0, le=1)
-    # Lease control channel (router -> D); default: the port after the TP ranks'
-    # side-channel ports (side_channel_port + TP size).
+    # Lease control channel (router -> D); default: default_control_port, the port after
+    # the TP ranks' side-channel ports (side_channel_port + TP size).
     lease_control_port: int | None = Field(None, ge=1, le=65535)
     # P: read D's history only if at least this many tokens would be reused, only from a
     # lease that outlives now + lease_margin_s, and give up a READ after
     # reuse_read_timeout_s; D frees an ended lease's blocks lease_free_grace_s later.
-    kv_recompute_threshold: int = Field(64, ge=1)
-    lease_margin_s: float = Field(2.0, gt=0)
-    reuse_read_timeout_s: float = Field(1.5, gt=0)
-    lease_free_grace_s: float = Field(3.0, gt=0)
+    kv_recompute_threshold: int = Field(reuse.DEFAULT_RECOMPUTE_THRESHOLD, ge=1)
+    lease_margin_s: float = Field(reuse.DEFAULT_LEASE_MARGIN, gt=0)
+    reuse_read_timeout_s: float = Field(reuse.DEFAULT_READ_TIMEOUT, gt=0)
+    lease_free_grace_s: float = Field(lease.DEFAULT_FREE_GRACE, gt=0)
 
     @property
     def notif_poll_s(self) -> float:
@@ -91,7 +102,7 @@ class ConnectorConfig(BaseModel):
         return self
 
     def control_port(self, tp_size: int = 1) -> int:
-        return self.lease_control_port or self.side_channel_port + tp_size
+        return self.lease_control_port or default_control_port(self.side_channel_port, tp_size)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -106,4 +117,4 @@ class ConnectorConfig(BaseModel):
         if self.nixl_backends:
             return list(self.nixl_backends)
         backend = backend or get_backend(self.hardware_backend)
-        return list(getattr(backend, "nixl_backends", backend.default_nixl_backends))
+        return list(backend.transport_backends())

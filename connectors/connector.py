@@ -17,9 +17,9 @@ from typing import Any
 from kvferry.connectors import compat
 from kvferry.connectors.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory.backends import get_backend
+from kvferry.connectors.memory.registry import backend_class, get_backend
 from kvferry.connectors.protocol import timeline
-from kvferry.connectors.protocol.params import SECRET_ENV, secret
+from kvferry.connectors.protocol.params import SECRET_ENV, secret, spend_attempts
 from kvferry.connectors.scheduling.scheduler import ReuseSettings, StepMeta, TransferScheduler
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -92,7 +92,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 # P frees unread blocks send_timeout_s after the prefill; offers end earlier.
                 offer_ttl=max(cfg.send_timeout_s - OFFER_GUARD_S, cfg.send_timeout_s / 2),
                 stage_saves=host_staging,
-                early_push=cfg.early_push and get_backend(cfg.hardware_backend).supports_fence,
+                early_push=cfg.early_push and backend_class(cfg.hardware_backend).supports_fence,
                 num_kv_heads=compat.total_kv_heads(vllm_config))
 
     def _host_staging_possible(self) -> bool:
@@ -104,11 +104,9 @@ class KvferryConnector(KVConnectorBase_V1):
         possible: P then ships `StepMeta.save` lists a device-mode worker ignores, and D
         grants no leases (a stale mirror would be a wrong answer, no lease is a recompute).
         """
-        if self.cfg.hardware_backend != "neuron":
-            return False
-        backend = get_backend("neuron")  # constructing and configuring touch no hardware
+        backend = get_backend(self.cfg.hardware_backend)  # constructing, configuring: no hardware
         backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
-        return backend.may_stage  # device and mapped HBM are registered in place
+        return backend.may_stage  # neuron's device and mapped HBM are registered in place
 
     def _lease_keeper(self, vllm_config: Any, kv_cache_config: Any, tp: int) -> Any:
         """D's leases (bidirectional reuse) and the router's control channel onto them."""
@@ -143,12 +141,8 @@ class KvferryConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         self._sched.after_alloc(request.request_id, compat.request_blocks(blocks),
                                 num_external_tokens, params if isinstance(params, dict) else None)
-        if isinstance(params, dict) and params.get("do_remote_prefill"):
-            # One READ attempt per request: after a failed READ vLLM reschedules it, and
-            # it must then recompute instead of asking the same (dead) peer again.
-            params["do_remote_prefill"] = False
-        if isinstance(params, dict) and params.get("reuse") is not None and num_external_tokens > 0:
-            params["reuse"] = None  # one reuse READ attempt, likewise
+        if isinstance(params, dict):
+            spend_attempts(params, num_external_tokens > 0)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         sched = self._sched
@@ -196,8 +190,7 @@ class KvferryConnector(KVConnectorBase_V1):
         rank = compat.tp_rank()
         n = compat.num_blocks(self._vllm_config, self._kv_cache_config)
         backend = self._backend = get_backend(self.cfg.hardware_backend)
-        if hasattr(backend, "configure"):  # neuron: registration mode from the extra config
-            backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
+        backend.configure(self._kv_transfer_config.kv_connector_extra_config or {})
         # Neuron: the framework (libtorch-neuronx) started the runtime before this call;
         # kvferry never initialises it (kvferry/neuron/libnrt.py says why).
         if heads_dim is None and kv_caches:
@@ -213,7 +206,7 @@ class KvferryConnector(KVConnectorBase_V1):
         def start(lay: Any) -> TransferWorker:
             # Host staging (neuron): the layout is the DRAM mirror and the worker copies
             # device <-> mirror around transfers; cpu/cuda and the other neuron modes have none.
-            staging = getattr(backend, "staging", None)
+            staging = backend.staging
             return TransferWorker(self.cfg, self.engine_id, rank, lay,
                                   self.cfg.transport_backends(backend), self.instance,
                                   staging=staging if staging is not None and lay is staging.layout

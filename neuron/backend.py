@@ -34,10 +34,9 @@ How it is registered (``neuron_staging`` in the extra config, else
     logged and recorded in :attr:`NeuronBackend.attempts`; the mode that registered is
     :attr:`NeuronBackend.mode`.
 
-Rail affinity: for each region we ask libnrt which EFA device sits next to that HBM
-(``nrt_get_attached_efa_bdf``, the question NIXL asks) and expose it as
-:attr:`NeuronBackend.efa_bdf`; ``None`` means "unknown: all rails". kvferry never starts
-the Neuron runtime (see :mod:`kvferry.neuron.libnrt`).
+EFA rail affinity is NIXL's own question (``nrt_get_attached_efa_bdf``, asked by its
+LIBFABRIC backend at registration). kvferry never starts the Neuron runtime (see
+:mod:`kvferry.neuron.libnrt`).
 """
 
 from __future__ import annotations
@@ -130,7 +129,6 @@ class NeuronBackend(MemoryBackend):
         self.arrays: list[DeviceArray] = []
         self.device_layout: KVLayout | None = None
         self.staging: HostStaging | None = None
-        self.efa_bdf: dict[int, str | None] = {}
         self._owners: list[list[DeviceArray]] = []
         self._plan: list[tuple[str, tuple[str, ...]]] = []
 
@@ -149,7 +147,11 @@ class NeuronBackend(MemoryBackend):
             self.forced_backends = tuple(extra_config["nixl_backends"])
         return self
 
-    @property
+    def transport_backends(self) -> tuple[str, ...]:
+        """The mode's backends: a fallback to host staging switches LIBFABRIC -> UCX."""
+        return self.nixl_backends
+
+    @property  # type: ignore[override]
     def may_stage(self) -> bool:
         """Can this engine end up host-staged (so P must stage saves, D grant no leases)?"""
         return self.staging_mode in ("auto", "host")
@@ -180,7 +182,6 @@ class NeuronBackend(MemoryBackend):
             planes += planes_of_array(region_of[a.name], a.va, list(a.shape), list(a.strides),
                                       a.itemsize, dims[0], heads_dim)
         self.device_layout = KVLayout(tuple(regions), tuple(planes), num_blocks, block_size)
-        self.efa_bdf = self._rails(self.device_layout)
         self.attempts = []
         self._plan = self._candidates()
         return self._next()
@@ -253,12 +254,6 @@ class NeuronBackend(MemoryBackend):
             self.staging = HostStaging(self.device_layout, self._owners, self.copy)
         return self.staging.layout
 
-    def rails(self) -> set[str] | None:
-        """Distinct EFA rails our KV sits next to; None when any region's rail is unknown."""
-        if not self.efa_bdf or any(v is None for v in self.efa_bdf.values()):
-            return None
-        return {v for v in self.efa_bdf.values() if v is not None}
-
     # -- internals ----------------------------------------------------------------------
     def _arrays(self, kv_caches: Mapping[str, Any], num_blocks: int):
         for layer, v in kv_caches.items():
@@ -294,26 +289,3 @@ class NeuronBackend(MemoryBackend):
         owners = [s[3] for s in spans]
         region_of = {a.name: i for i, s in enumerate(spans) for a in s[3]}
         return regions, owners, region_of
-
-    def _rails(self, layout: KVLayout) -> dict[int, str | None]:
-        if all(is_torch_tensor(a.obj) and a.obj.device.type == "cpu" for a in self.arrays):
-            return {}  # host memory (vllm-neuron CPU mode): no Neuron device, no rail
-        from kvferry.neuron import libnrt
-
-        out: dict[int, str | None] = {}
-        try:
-            lib = libnrt.load()
-        except libnrt.LibnrtNotFound as e:
-            log.warning("neuron: cannot query EFA rail affinity (%s); using all rails", e)
-            return dict.fromkeys(range(len(layout.regions)))
-        failed = []
-        for i, r in enumerate(layout.regions):
-            try:
-                out[i] = lib.get_attached_efa_bdf(r.addr)
-            except libnrt.NrtError as e:
-                out[i] = None
-                failed.append(f"region {i} (vnc {r.device_id}): {e}")
-        if failed:
-            log.warning("neuron: EFA rail unknown for %d region(s), using all rails: %s",
-                        len(failed), "; ".join(failed[:3]))
-        return out

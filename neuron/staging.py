@@ -9,7 +9,7 @@ this path costs two PCIe crossings per transfer and operators should see that in
 logs, not guess it.
 
 Who copies when (connectors/): D stages in after a READ completes, or when every push
-WRITE landed, before reporting the request received (worker.py, push_worker.py); push P
+WRITE landed, before reporting the request received (reads.py, push_recv.py); push P
 stages out right before posting its WRITE; pull P stages out in ``wait_for_save`` the
 blocks each step's forward wrote (staged_saves.py), so the mirror is current before the
 offer leaves. Decode leases are never granted while staging may be active: a leased

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from kvferry.connectors.protocol import params as kv
+
 ROUTER_FIELDS = ("kv_transfer_params", "kvferry_mode", "conversation_id", "session_id")
 """Body fields the router consumes and never forwards."""
 
@@ -55,7 +57,7 @@ def prefill_body(
 
 def pull_prefill_params(transfer_id: str) -> dict[str, Any]:
     """kv_transfer_params sent to P in pull mode: keep the blocks for a remote decode."""
-    return {"do_remote_decode": True, "transfer_id": transfer_id}
+    return kv.pull_prefill_params(transfer_id)
 
 
 def decode_body(clean: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:

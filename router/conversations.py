@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.connectors.protocol import params as kv
 from kvferry.connectors.transfer import lease_control
 
 from .metrics import RouterMetrics
@@ -64,10 +65,10 @@ class Turn:
 
     def prefill_params(self) -> dict[str, Any]:
         """Extra kv_transfer_params for P: D's signed lease offer (history to READ)."""
-        return {"reuse": dict(self.entry.kv_transfer_params)} if self.entry else {}
+        return kv.reuse_params(self.entry.kv_transfer_params) if self.entry else {}
 
     def lease_request(self, ttl: float | None) -> dict[str, Any]:
-        return {"lease": {"lease_id": self.lease_id, **({"ttl": ttl} if ttl else {})}}
+        return kv.lease_params(self.lease_id, ttl)
 
 
 class Conversations:

@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 from starlette.responses import Response
 
+from kvferry.connectors.protocol import params as kv
 from kvferry.connectors.protocol import timeline
 
 from . import bodies
@@ -75,7 +76,7 @@ log = logging.getLogger(__name__)
 FORWARD_HEADERS = ("authorization",)
 """Client headers passed to the engines (engines may run with --api-key)."""
 
-REUSE_REPORT = ("reused_tokens", "reuse_reason")
+REUSE_REPORT = kv.REUSE_REPORT_KEYS
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -138,10 +139,8 @@ def build_legs(
     if prefill_kv is None:
         raise ValueError("push legs need the prefill side-channel address")
     host, port = prefill_kv
-    p_params = {"do_remote_decode": True, "push": True, "transfer_id": transfer_id,
-                **(p_extra or {})}
-    d_params = {"do_remote_prefill": True, "push": True, "transfer_id": transfer_id,
-                "remote_host": host, "remote_port": port, **(d_extra or {})}
+    p_params = {**kv.push_prefill_params(transfer_id), **(p_extra or {})}
+    d_params = {**kv.push_decode_params(transfer_id, host, port), **(d_extra or {})}
     return Legs(
         mode,
         transfer_id,
@@ -231,9 +230,7 @@ def _reuse_report(ctx: FlowContext, turn: Turn | None, kv_params: dict[str, Any]
     report = {k: kv_params.pop(k) for k in REUSE_REPORT if k in kv_params}
     if turn is None or turn.entry is None or not report:
         return None
-    n = report.get("reused_tokens")
-    n = n if isinstance(n, int) and n >= 0 else 0
-    reason = str(report.get("reuse_reason", "unknown"))[:64]
+    n, reason = kv.read_reuse_report(report)
     ctx.metrics.reuse_turns.labels(reason=reason).inc()
     ctx.metrics.reused_tokens.inc(n)
     return n, reason
@@ -247,7 +244,7 @@ def _commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decod
         return hooks
 
     async def on_json(params: dict[str, Any] | None) -> None:
-        if not conv.commit_offer(turn, d.url, (params or {}).get("lease")):
+        if not conv.commit_offer(turn, d.url, kv.answered_lease(params)):
             conv.commit_later(turn, d.url)  # e.g. an engine that keeps params to itself
         await conv.settled(turn)  # recorded (shared state too) before the client has it
 
@@ -266,7 +263,7 @@ def _commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decod
         if committed:
             return
         committed.append(True)
-        if not (streamed and conv.commit_offer(turn, d.url, streamed.get("lease"))):
+        if not (streamed and conv.commit_offer(turn, d.url, kv.answered_lease(streamed))):
             conv.commit_later(turn, d.url)
 
     hooks.on_d_params = on_json

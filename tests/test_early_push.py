@@ -13,7 +13,8 @@ import test_worker
 from test_push_worker import d_register, settle, written
 from test_worker import D_BLOCKS, P_BLOCKS, PROMPT, Engine
 
-from kvferry.connectors.scheduling.scheduler import StepMeta, TransferScheduler
+from kvferry.connectors.protocol.step import StepMeta
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
 
 engines = test_worker.engines
 pytestmark = pytest.mark.timeout(60)
@@ -153,7 +154,7 @@ def test_write_waits_for_fence_and_next_step_and_free_waits_for_finish(engines) 
     assert "p1" not in settle(p, 0.3).sent
     assert finish(p, True, 3)
     assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
-    assert p.worker.push._ready == {} and p.worker.push._unfinished == set()
+    assert p.worker.push_write.num_tracked == 0 and p.worker.push_write.num_unfinished == 0
 
 
 def test_write_waits_for_the_next_step_to_begin(engines) -> None:
@@ -194,7 +195,7 @@ def test_abort_before_the_fence_frees_at_once_and_rejects_d(engines) -> None:
     assert set(D_BLOCKS) <= d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks
     fence.passed.set()
     settle(p, 0.3)
-    assert p.worker.push.matcher.num_live == 0 and p.worker.push._ready == {}
+    assert p.worker.push_write.matcher.num_live == 0 and p.worker.push_write.num_tracked == 0
 
 
 def test_finish_before_release_takes_the_normal_path_without_leaks(engines) -> None:
@@ -207,4 +208,4 @@ def test_finish_before_release_takes_the_normal_path_without_leaks(engines) -> N
     assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
     assert written(d, p, D_BLOCKS, P_BLOCKS)
     assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
-    assert p.worker.push._unfinished == set() and p.worker.push._deferred == set()
+    assert p.worker.push_write.num_unfinished == 0 and p.worker.push_write.num_tracked == 0

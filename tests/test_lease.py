@@ -1,4 +1,4 @@
-"""D-side leases: expiry boundaries, renewals, pins, capacity, and a stateful model check."""
+"""D-side leases: expiry boundaries, renewals, release, capacity, and a stateful model check."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvferry.connectors.protocol.lease import DEFAULT_TTL, FreeBlocks, LeaseError, LeaseTable
+from kvferry.connectors.protocol.lease import DEFAULT_TTL, FreeBlocks, LeaseError, LeaseTable, Refusal
 
 
 def grant(t: LeaseTable, lid: str, now: float = 0.0, blocks=(1, 2, 3)):
@@ -56,7 +56,6 @@ def test_renew_after_expiry_is_an_error_even_before_tick():
     t = LeaseTable(10.0)
     grant(t, "a", 0.0)
     assert reason_of(lambda: t.renew("a", 10.0)) == "expired"
-    assert reason_of(lambda: t.begin_read("a", 10.0)) == "expired"
     assert len(t.release("a")) == 1  # expired but still held: release frees it
 
 
@@ -76,10 +75,9 @@ def test_release_frees_once():
 
 def test_unknown_lease_errors():
     t = LeaseTable()
-    for fn in (lambda: t.release("x"), lambda: t.renew("x", 0.0),
-               lambda: t.begin_read("x", 0.0), lambda: t.end_read("x")):
+    for fn in (lambda: t.release("x"), lambda: t.renew("x", 0.0)):
         assert reason_of(fn) == "unknown"
-    assert "unknown" in str(LeaseError("x", "unknown"))
+    assert "unknown" in str(LeaseError("x", Refusal.UNKNOWN))
 
 
 def test_duplicate_and_reused_ids_rejected():
@@ -99,74 +97,26 @@ def test_invalid_grant():
         LeaseTable(0.0)
 
 
-def test_begin_read_margin_boundary():
-    t = LeaseTable(10.0)
-    grant(t, "a", 0.0)
-    assert reason_of(lambda: t.begin_read("a", 8.0, margin=2.0)) == "expiring"
-    v = t.begin_read("a", 7.999, margin=2.0)
-    assert v.lease_id == "a" and t.is_pinned("a")
-
-
-def test_pinned_lease_survives_expiry_until_end_read():
-    t = LeaseTable(10.0, read_timeout=None)
-    grant(t, "a", 0.0)
-    t.begin_read("a", 5.0, margin=1.0)
-    assert t.tick(50.0) == []  # expired but pinned
-    assert reason_of(lambda: t.begin_read("a", 50.0)) == "expired"
-    assert t.num_blocks == 3
-    assert t.end_read("a") == []  # no clock: next tick frees
-    (f,) = t.tick(51.0)
-    assert f.reason == "expired"
-
-
-def test_end_read_with_clock_frees_expired():
-    t = LeaseTable(10.0)
-    grant(t, "a", 0.0)
-    t.begin_read("a", 1.0)
-    assert t.end_read("a", 5.0) == []  # still valid
-    t.begin_read("a", 6.0)
-    assert [f.reason for f in t.end_read("a", 10.0)] == ["expired"]
-
-
-def test_release_while_pinned_defers_to_last_end_read():
+def test_release_frees_at_once_and_is_final():
     t = LeaseTable()
     grant(t, "a")
-    t.begin_read("a", 1.0)
-    t.begin_read("a", 1.5)
-    assert t.release("a") == []
+    (f,) = t.release("a", 1.0)
+    assert f.reason == "released" and "a" not in t and t.num_blocks == 0
     assert reason_of(lambda: t.release("a")) == "released"
-    assert reason_of(lambda: t.begin_read("a", 2.0)) == "released"
     assert reason_of(lambda: t.renew("a", 2.0)) == "released"
-    assert t.tick(3.0) == []
-    assert t.end_read("a") == []
-    (f,) = t.end_read("a")
-    assert f.reason == "released"
-    assert reason_of(lambda: t.end_read("a")) == "released"
 
 
-def test_end_read_without_begin():
+def test_least_recent_follows_grants_and_renewals():
     t = LeaseTable()
-    grant(t, "a")
-    assert reason_of(lambda: t.end_read("a")) == "not_reading"
-
-
-def test_read_timeout_drops_stale_pins():
-    t = LeaseTable(10.0, read_timeout=30.0)
+    assert t.least_recent() is None
     grant(t, "a", 0.0)
-    t.begin_read("a", 1.0)
-    assert t.tick(30.9) == []
-    (f,) = t.tick(31.0)
-    assert f.reason == "read_timeout"
+    grant(t, "b", 1.0)
+    assert t.least_recent() == "a"
+    t.renew("a", 2.0)
+    assert t.least_recent() == "b"
 
 
-def test_read_timeout_on_live_lease_just_unpins():
-    t = LeaseTable(100.0, read_timeout=5.0)
-    grant(t, "a", 0.0)
-    t.begin_read("a", 0.0)
-    assert t.tick(6.0) == [] and not t.is_pinned("a") and "a" in t
-
-
-def test_capacity_evicts_lru_unpinned():
+def test_capacity_evicts_lru():
     t = LeaseTable(max_blocks=6)
     grant(t, "a", 0.0, (1, 2))
     grant(t, "b", 1.0, (3, 4))
@@ -177,17 +127,14 @@ def test_capacity_evicts_lru_unpinned():
     assert t.num_blocks == 5 and "a" in t and "d" in t and "b" not in t
 
 
-def test_capacity_skips_pinned_and_fails_cleanly():
+def test_capacity_evicts_what_it_must_and_refuses_what_never_fits():
     t = LeaseTable(max_blocks=4)
     grant(t, "a", 0.0, (1, 2))
     grant(t, "b", 1.0, (3, 4))
-    t.begin_read("a", 2.0)
     _, freed = grant(t, "c", 3.0, (5,))
-    assert [f.lease_id for f in freed] == ["b"]
-    t.begin_read("c", 3.0)
-    assert reason_of(lambda: grant(t, "d", 4.0, (6, 7))) == "no_capacity"
-    assert "a" in t and "c" in t and "d" not in t  # nothing evicted by the failed grant
+    assert [f.lease_id for f in freed] == ["a"]
     assert reason_of(lambda: grant(t, "e", 4.0, (1, 2, 3, 4, 5))) == "too_large"
+    assert "b" in t and "c" in t and "e" not in t  # nothing evicted by the refused grant
 
 
 def test_grant_sweeps_expired_first():
@@ -210,25 +157,22 @@ def test_tombstones_expire():
 # -- stateful model check ----------------------------------------------------------------
 
 LIDS = [f"l{i}" for i in range(5)]
-MARGIN = 1.0
 
 
 class LeaseMachine(RuleBasedStateMachine):
-    """Invariants: each lease freed exactly once; never freed while pinned; never readable
-    past expiry - margin; capacity respected."""
+    """Invariants: each lease freed exactly once; renewals never shorten; capacity
+    respected; every lease freed in the end."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.t = LeaseTable(10.0, max_lifetime=30.0, max_blocks=8, read_timeout=None)
+        self.t = LeaseTable(10.0, max_lifetime=30.0, max_blocks=8)
         self.now = 0.0
         self.granted: set[str] = set()
         self.freed: dict[str, int] = {}
-        self.pins: dict[str, int] = {}
         self.expiry: dict[str, float] = {}
 
     def _apply(self, freed: list[FreeBlocks]) -> None:
         for f in freed:
-            assert self.pins.get(f.lease_id, 0) == 0, "freed while a READ pins it"
             self.freed[f.lease_id] = self.freed.get(f.lease_id, 0) + 1
 
     @rule(lid=st.sampled_from(LIDS), n=st.integers(1, 4))
@@ -236,8 +180,7 @@ class LeaseMachine(RuleBasedStateMachine):
         try:
             exp, freed = self.t.grant(lid, lid, range(n), 16 * n, [], self.now)
         except LeaseError as e:
-            assert (e.reason == "duplicate") == (lid in self.granted)
-            assert e.reason in ("duplicate", "no_capacity")
+            assert e.reason == "duplicate" and lid in self.granted
             return
         assert lid not in self.granted
         self.granted.add(lid)
@@ -258,25 +201,6 @@ class LeaseMachine(RuleBasedStateMachine):
         with contextlib.suppress(LeaseError):
             self._apply(self.t.release(lid))
 
-    @rule(lid=st.sampled_from(LIDS))
-    def begin_read(self, lid: str) -> None:
-        try:
-            v = self.t.begin_read(lid, self.now, MARGIN)
-        except LeaseError:
-            return
-        assert self.now + MARGIN < v.expiry == self.expiry[lid]
-        assert self.freed.get(lid, 0) == 0
-        self.pins[lid] = self.pins.get(lid, 0) + 1
-
-    @rule(lid=st.sampled_from(LIDS), with_clock=st.booleans())
-    def end_read(self, lid: str, with_clock: bool) -> None:
-        try:
-            if self.pins.get(lid, 0) > 0:
-                self.pins[lid] -= 1
-            self._apply(self.t.end_read(lid, self.now if with_clock else None))
-        except LeaseError:
-            pass
-
     @rule(dt=st.sampled_from([0.5, 1.0, 5.0, 11.0]))
     def tick(self, dt: float) -> None:
         self.now += dt
@@ -288,17 +212,10 @@ class LeaseMachine(RuleBasedStateMachine):
         assert self.t.num_blocks <= 8
 
     def teardown(self) -> None:
-        for lid, n in self.pins.items():
-            for _ in range(n):
-                self._apply_unpin(lid)
         self.now += 1000.0
         self._apply(self.t.tick(self.now))
         assert self.freed == {lid: 1 for lid in self.granted}
         assert self.t.num_blocks == 0 and len(self.t) == 0
-
-    def _apply_unpin(self, lid: str) -> None:
-        self.pins[lid] -= 1
-        self._apply(self.t.end_read(lid))
 
 
 TestLeaseMachine = LeaseMachine.TestCase

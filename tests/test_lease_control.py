@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from helpers_http import free_port
 
-from kvferry.connectors.protocol.params import SECRET_ENV, parse_lease
+from kvferry.connectors.protocol.params import SECRET_ENV, mac, parse_lease
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer import lease_control as lc
 
@@ -35,7 +35,8 @@ def make_keeper(**kw) -> LeaseKeeper:
 def blob(key: bytes = KEY, **fields) -> bytes:
     """A request with chosen fields, signed over them with ``key``."""
     req = {"op": "info", "lease_id": "L1", "ttl": None, "ts": time.time(), **fields}
-    req.setdefault("sig", lc._mac(req["op"], req["lease_id"], req["ttl"], req["ts"], key))
+    if "sig" not in req:
+        req["sig"] = mac(lc.LeaseControl(req["op"], req["lease_id"], req["ts"], req["ttl"]), key)
     return msgspec.msgpack.encode(req)
 
 
@@ -194,3 +195,10 @@ def test_unreachable_port_fails_fast():
     r = asyncio.run(lc.call("127.0.0.1", port, "info", "L1", timeout_s=0.2, key=KEY))
     assert r["ok"] is False and r["error"].startswith("unreachable")
     assert time.monotonic() - t0 < 2.0
+
+
+def test_integer_ttl_is_signed_as_sent():
+    """The MAC covers what D decodes: an int ttl goes out as a float."""
+    k = make_keeper()
+    r = lc.handle(k, lc.request("renew", "L1", 30, key=KEY), key=KEY)
+    assert r["ok"] is True

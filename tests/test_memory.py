@@ -1,4 +1,4 @@
-"""Memory backends (connectors/memory/backends.py): KV caches -> regions + planes, and the wire form."""
+"""Memory backends (connectors/memory/): KV caches -> regions + planes, the wire form, the registry."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ import torch
 
 from kvferry.connectors.memory.backends import (
     DRAM,
-    HARDWARE_BACKENDS,
     VRAM,
     CpuBackend,
     CudaBackend,
     KVLayout,
     Plane,
     Region,
-    get_backend,
     planes_of_array,
 )
+from kvferry.connectors.memory.registry import HARDWARE_BACKENDS, get_backend
 
 
 def bytes_of_block(t: torch.Tensor, plane: Plane, block: int) -> bytes:
@@ -244,3 +243,17 @@ def test_torch_backends_register_once_and_leave_heads_to_vllm():
     assert CpuBackend().register_with(lay, lambda x: calls.append(x) or "worker") == "worker"
     assert calls == [lay]
     assert CpuBackend().kv_heads_dim({"l": torch.zeros(2, 7, 4, 3, 8)}) is None
+
+
+def test_registry_imports_a_backend_only_when_selected() -> None:
+    """Naming neuron as "module:attr" keeps connectors.memory free of kvferry.neuron: a CPU
+    engine never loads it (and the packages import no cycle)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvferry.connectors.memory.registry import get_backend; "
+            "get_backend('cpu'); print('kvferry.neuron.backend' in sys.modules); "
+            "get_backend('neuron'); print('kvferry.neuron.backend' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]

@@ -20,7 +20,8 @@ import torch
 from fakes.nrt_runtime import FakeRuntime, build, host_readable
 
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory.backends import DRAM, VRAM, get_backend
+from kvferry.connectors.memory.backends import DRAM, VRAM
+from kvferry.connectors.memory.registry import get_backend
 from kvferry.neuron import envcheck, libnrt
 from kvferry.neuron.arrays import NeuronArray
 from kvferry.neuron.backend import ENV_MAP_HBM, ENV_STAGING, NeuronBackend, RegistrationError
@@ -172,8 +173,8 @@ def test_mapped_hbm_vas_are_host_memory(runtime) -> None:
 
 # -- point 3: kvferry never starts the runtime -------------------------------------------
 def test_kvferry_never_starts_the_runtime(runtime, monkeypatch: pytest.MonkeyPatch) -> None:
-    """envcheck, describe (which asks libnrt for EFA rails) and the connector's register
-    path run in a worker whose runtime the framework started: no nrt_init of their own."""
+    """envcheck, describe and the connector's register path run in a worker whose
+    runtime the framework started: no nrt_init of their own."""
     from fakes.vllm_neuron import FakeNeuronWorker
     from helpers_http import free_port
 
@@ -185,7 +186,6 @@ def test_kvferry_never_starts_the_runtime(runtime, monkeypatch: pytest.MonkeyPat
     assert rt.init_calls == 1
     b = NeuronBackend(staging="device")
     b.describe({"l": kv_pair(lib, 4)}, NB, BS)
-    assert b.efa_bdf == {0: "0000:11:1c.0", 1: "0000:11:1c.0"}  # the runtime answered
     assert rt.init_calls == 1
 
     monkeypatch.setenv(SECRET_ENV, "never-init")
@@ -221,8 +221,6 @@ def test_describe_kv_pairs(nrt: libnrt.Libnrt) -> None:
     for p, t in zip(layout.planes, tensors, strict=True):
         assert (p.base, p.stride, p.block_bytes, p.num_blocks) == (t.va, BLOCK_BYTES, BLOCK_BYTES, NB)
         assert p.block_addr(3) == t.va + 3 * BLOCK_BYTES
-    assert b.efa_bdf == {0: "0000:10:1c.0", 1: "0000:10:1c.0", 2: "0000:11:1c.0", 3: "0000:11:1c.0"}
-    assert b.rails() == {"0000:10:1c.0", "0000:11:1c.0"}
     assert layout.signature()[0] == BS
     assert [nbytes for nbytes, _fmt in layout.signature()[1]] == [BLOCK_BYTES] * 4
 
@@ -240,7 +238,6 @@ def test_torch_tensors_describe_like_vllm_neuron_hands_them() -> None:
     assert all(r.mem_type == VRAM and r.length == 2 * NB * block for r in layout.regions)
     assert [(p.base, p.stride, p.block_bytes) for p in layout.planes] == [
         (t[kv].data_ptr(), block, block) for t in caches.values() for kv in (0, 1)]
-    assert b.efa_bdf == {}  # CPU tensors (vllm-neuron's CPU mode): no Neuron rail to ask
     p = layout.planes[3]  # l1's V plane, block 5: exactly the tensor's bytes
     want = caches["l1"][1, 5].contiguous().view(torch.uint8).numpy().tobytes()
     assert ctypes.string_at(p.block_addr(5), p.block_bytes) == want
@@ -285,20 +282,6 @@ def test_protocol_objects_and_shared_allocation(nrt: libnrt.Libnrt) -> None:
     lay = NeuronBackend(staging="device").describe({"p": padded}, NB // 2, BS)
     assert (lay.planes[0].stride, lay.planes[0].block_bytes) == (2 * BLOCK_BYTES, BLOCK_BYTES)
     t.free()
-
-
-def test_efa_bdf_failure_falls_back_to_all_rails(nrt: libnrt.Libnrt,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    k, v = kv_pair(nrt, 0)
-    monkeypatch.setenv("FAKE_NRT_FAIL_EFA", "1")
-    b = NeuronBackend(staging="device")
-    b.describe({"l": (k, v)}, NB, BS)
-    assert b.efa_bdf == {0: None, 1: None} and b.rails() is None
-    # Memory libnrt does not know (not Neuron HBM): NRT_FAILURE, also all rails.
-    monkeypatch.delenv("FAKE_NRT_FAIL_EFA")
-    host = ctypes.create_string_buffer(NB * 64)
-    b.describe({"h": View(ctypes.addressof(host), (NB, 64), 1, 0, NB * 64)}, NB, BS)
-    assert b.efa_bdf == {0: None}
 
 
 def test_describe_errors(nrt: libnrt.Libnrt) -> None:
@@ -406,7 +389,6 @@ def test_host_staging_round_trip_is_byte_exact(nrt: libnrt.Libnrt) -> None:
     lay = b.describe({"l": (k, v)}, NB, BS)
     st = b.staging
     assert b.mode == "host" and all(r.mem_type == DRAM for r in lay.regions)
-    assert b.efa_bdf == {0: "0000:10:1c.0", 1: "0000:10:1c.0"}  # rail of the mirrored HBM
     nbytes, ms = st.stage_out([5, 1, 2])
     assert nbytes == 2 * 3 * BLOCK_BYTES and ms >= 0 and st.stats.last["bytes"] == nbytes
     for plane, data in zip(lay.planes, (dk, dv), strict=True):

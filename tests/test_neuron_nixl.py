@@ -120,7 +120,6 @@ def test_nixl_read_between_mapped_hbm_regions(nrt: libnrt.Libnrt) -> None:
     assert p_lay.signature() == d_lay.signature()
     assert {r.mem_type for r in p_lay.regions} == {DRAM}
     assert all(host_readable(r.addr, r.length) for r in p_lay.regions + d_lay.regions)
-    assert set(db.efa_bdf.values()) == {"0000:12:1c.0"}  # vnc 8 -> third rail in the fake
     p, d = agents()
     register(p, p_lay)
     register(d, d_lay)

@@ -21,8 +21,10 @@ from helpers_http import free_port
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.protocol.params import SECRET_ENV
-from kvferry.connectors.scheduling.scheduler import ReuseRead, StepMeta, TransferScheduler
-from kvferry.connectors.transfer.worker import TransferWorker, _Results
+from kvferry.connectors.protocol.step import ReuseRead, StepMeta
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
+from kvferry.connectors.transfer.results import Results
+from kvferry.connectors.transfer.worker import TransferWorker
 from kvferry.neuron import libnrt
 from kvferry.neuron.backend import NeuronBackend
 from kvferry.neuron.libnrt import NrtTensor
@@ -84,7 +86,7 @@ class Engine:
         self.worker = TransferWorker(self.cfg, self.engine_id, 0, layout, ["UCX"],
                                      staging=self.backend.staging)
         self.sched = TransferScheduler(self.engine_id, "127.0.0.1", self.port, BS, stage_saves=True)
-        self.acc = _Results()
+        self.acc = Results()
         self.before = self.snapshot()
 
     def snapshot(self) -> list[bytes]:
@@ -94,7 +96,7 @@ class Engine:
         p = self.worker.transport.layout.planes[plane]
         return ctypes.string_at(p.block_addr(block), p.block_bytes)
 
-    def collect(self, until: Callable[[_Results], bool], timeout: float = 20) -> _Results:
+    def collect(self, until: Callable[[Results], bool], timeout: float = 20) -> Results:
         deadline = time.monotonic() + timeout
         while True:
             r = self.worker.results()
@@ -229,14 +231,14 @@ def test_failed_stage_in_reports_the_blocks_bad(monkeypatch):
         scheds.append(TransferScheduler(eid, "127.0.0.1", port, BS))
     try:
         (p, d), (ps, ds) = workers, scheds
-        assert p.staging is None
+        assert not p.mirror.active
         p.save([1])  # no staging: a no-op
         _, offer = ps.finished("p", True, P_BLOCKS, {"do_remote_decode": True}, PROMPT)
         p.submit(ps.take_meta())
         count, _ = ds.matched_tokens("d", PROMPT, offer, 0)
         ds.after_alloc("d", D_BLOCKS, count)
         d.submit(ds.take_meta())
-        acc = _Results()
+        acc = Results()
         deadline = time.monotonic() + 20
         while "d" not in acc.recvd and time.monotonic() < deadline:
             r = d.results()
@@ -244,7 +246,7 @@ def test_failed_stage_in_reports_the_blocks_bad(monkeypatch):
             acc.bad_blocks |= r.bad_blocks
             time.sleep(0.005)
         assert acc.recvd == {"d"} and acc.bad_blocks == set(D_BLOCKS)
-        assert d.staging.calls == [("in", D_BLOCKS)]
+        assert d.mirror.staging.calls == [("in", D_BLOCKS)]
     finally:
         for w in workers:
             w.close()

@@ -27,7 +27,8 @@ from helpers_http import free_port
 
 from kvferry.connectors.memory.backends import DRAM
 from kvferry.connectors.protocol.params import SECRET_ENV
-from kvferry.connectors.scheduling.scheduler import ReuseRead, StepMeta, TransferScheduler
+from kvferry.connectors.protocol.step import ReuseRead, StepMeta
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
 from kvferry.neuron.backend import ENV_STAGING, NeuronBackend, RegistrationError
 
 pytest.importorskip("nixl._api")

@@ -228,3 +228,71 @@ def test_prompt_hash_identifies_exact_sequence():
 @pytest.mark.parametrize("tokens,bs,n", [(0, 16, 0), (1, 16, 1), (16, 16, 1), (17, 16, 2), (32, 16, 2)])
 def test_blocks_needed_is_ceiling(tokens, bs, n):
     assert blocks_needed(tokens, bs) == n
+
+
+# -- one MAC, versioned and typed ----------------------------------------------------------
+def test_mac_binds_type_and_protocol_version(monkeypatch):
+    from kvferry.connectors.protocol import params
+
+    signed = sign(offer(), KEY)
+    monkeypatch.setattr(params, "PROTOCOL_VERSION", params.PROTOCOL_VERSION + 1)
+    assert "signature" in reason(signed)  # another version's offer never verifies
+
+    class Lookalike(params.Signed):  # the same fields under another type name
+        remote_engine_id: str
+
+    assert params.mac(Lookalike("P0"), KEY) != params.mac(params.RemotePrefill(
+        "P0", "", 0, [], "", 0, ""), KEY)
+
+
+def test_mac_ok_fails_closed():
+    from kvferry.connectors.protocol.params import mac, mac_ok
+
+    o = offer()
+    assert mac_ok(o, mac(o, KEY), KEY)
+    assert not mac_ok(o, mac(o, b""), b"")  # an unset secret verifies nothing
+    assert not mac_ok(o, "\u00e9" * 64, KEY) and not mac_ok(o, None, KEY)
+
+
+def test_request_params_are_built_and_read_by_one_module():
+    from kvferry.connectors.protocol.params import (
+        kv_params,
+        lease_params,
+        lease_request,
+        pull_prefill_params,
+        push_decode_params,
+        push_prefill_params,
+        reuse_params,
+    )
+
+    assert pull_prefill_params("t") == {"do_remote_decode": True, "transfer_id": "t"}
+    assert push_prefill_params("t") == {"do_remote_decode": True, "push": True, "transfer_id": "t"}
+    d = kv_params(push_decode_params("t", "h", 5600))
+    assert (d.do_remote_prefill, d.push, d.transfer_id, d.remote_host, d.remote_port) == (
+        True, True, "t", "h", 5600)
+    assert kv_params(reuse_params({"lease_id": "L"})).reuse == {"lease_id": "L"}
+    assert lease_params("L") == {"lease": {"lease_id": "L"}}
+    assert lease_request(lease_params("L", 60)["lease"]).ttl == 60.0
+    assert kv_params(None) == kv_params({}) and not kv_params({"other": 1}).do_remote_decode
+    with pytest.raises(InvalidParams, match="malformed"):
+        kv_params({"do_remote_decode": True, "transfer_id": 7})
+
+
+@pytest.mark.parametrize(("raw", "ttl"), [({"lease_id": "L", "ttl": 5}, 5.0),
+                                          ({"lease_id": "L", "ttl": 0}, None),
+                                          ({"lease_id": "L", "ttl": "60"}, None),
+                                          ({"lease_id": "L", "ttl": True}, None),
+                                          ({"lease_id": "L", "ttl": float("inf")}, None)])
+def test_lease_request_ttl_is_positive_or_ds_own(raw, ttl):
+    from kvferry.connectors.protocol.params import lease_request
+
+    assert lease_request(raw).ttl == ttl
+
+
+@pytest.mark.parametrize("raw", [None, "L", {"lease_id": 7}, {"lease_id": ""},
+                                 {"lease_id": "x" * 129}, {"ttl": 5}])
+def test_malformed_lease_request_is_refused(raw):
+    from kvferry.connectors.protocol.params import lease_request
+
+    with pytest.raises(InvalidParams):
+        lease_request(raw)

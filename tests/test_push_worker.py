@@ -1,4 +1,4 @@
-"""Push glue (connectors/transfer/push_worker.py): two in-process TransferWorkers over real NIXL.
+"""Push glue (connectors/transfer/push_recv.py, push_write.py): two in-process TransferWorkers over real NIXL.
 
 The scheduler builds the step metadata exactly as in an engine; the workers register,
 WRITE and notify for real. Focus: transfer ids that are replayed or shared, whose
@@ -54,7 +54,7 @@ def test_push_write_lands_and_both_sides_finish(engines):
     assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
     assert written(d, p, D_BLOCKS, P_BLOCKS)
     assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
-    assert p.worker.push._p == {} and d.worker.push._d == {}
+    assert p.worker.push_write.num_tracked == 0 and d.worker.push_recv.num_tracked == 0
 
 
 def test_replaying_a_completed_transfer_id_on_p_frees_the_new_request(engines):
@@ -70,7 +70,7 @@ def test_replaying_a_completed_transfer_id_on_p_frees_the_new_request(engines):
     assert p.collect(lambda r: "p2" in r.sent, 10).sent == {"p1", "p2"}
     settle(d)
     assert all(torch.equal(a, b) for a, b in zip(before, blocks_of(d.kv, D_BLOCKS), strict=True))
-    assert p.worker.push._p == {}
+    assert p.worker.push_write.num_tracked == 0
 
 
 def test_second_p_request_with_a_live_transfer_id_is_refused_first_is_served(engines):
@@ -101,7 +101,7 @@ def test_registration_then_p_abort_leaves_no_state(engines):
     p, d = engines("P", seed=15), engines("D")
     d_register(d, p, "d1", "t1", D_BLOCKS)
     deadline = time.monotonic() + 10
-    while p.worker.push.matcher.state("t1") != "waiting_prefill":
+    while p.worker.push_write.matcher.state("t1") != "waiting_prefill":
         assert time.monotonic() < deadline, "registration never reached P"
         time.sleep(0.01)
     # P's request is cancelled before its prefill finished.
@@ -112,8 +112,8 @@ def test_registration_then_p_abort_leaves_no_state(engines):
     got = d.collect(lambda r: "d1" in r.recvd, 10)  # P's Reject: D recomputes at once
     assert set(D_BLOCKS) <= got.bad_blocks
     settle(p)
-    assert p.worker.push._p == {} and p.worker.push.matcher.num_live == 0
-    assert d.worker.push._d == {}
+    assert p.worker.push_write.num_tracked == 0 and p.worker.push_write.matcher.num_live == 0
+    assert d.worker.push_recv.num_tracked == 0
 
 
 def test_p_abort_of_a_refused_duplicate_does_not_end_the_real_transfer(engines):
@@ -123,7 +123,7 @@ def test_p_abort_of_a_refused_duplicate_does_not_end_the_real_transfer(engines):
                                                  "transfer_id": "t1"}, PROMPT)
     p.worker.submit(p.sched.take_meta())
     settle(p, 0.3)
-    assert p.worker.push.matcher.state("t1") == "holding"
+    assert p.worker.push_write.matcher.state("t1") == "holding"
     d_register(d, p, "d1", "t1", D_BLOCKS)
     assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
     assert written(d, p, D_BLOCKS, P_BLOCKS)
@@ -148,7 +148,7 @@ def test_push_then_pull_from_one_p_loads_its_agent_once(engines, monkeypatch):
     assert d.collect(lambda r: "d2" in r.recvd, 15).bad_blocks == set()
     assert written(d, p, [9, 10, 11, 12, 13, 14], P_BLOCKS)
     assert len(loads) == 1
-    peers = d.worker.transport._peers
+    peers = d.worker.transport.known_peers()
     assert len({id(x) for x in peers.values()}) == 1 and len(peers) == 2
-    d.worker.drop_peer("127.0.0.1", p.port)  # dropped under one key: gone under both
-    assert d.worker.transport._peers == {}
+    d.worker.peers.drop("127.0.0.1", p.port)  # dropped under one key: gone under both
+    assert d.worker.transport.known_peers() == {}

@@ -113,18 +113,6 @@ def test_different_block_sizes_use_lcm():
     assert d.local_block_range == (0, 15)
 
 
-def test_offer_params_roundtrip_and_validation():
-    o = offer()
-    assert RemoteOffer.from_params(o.to_params()) == o
-    p = o.to_params()
-    for key, val in [("block_ids", ["1"]), ("num_tokens", "3"), ("block_size", True),
-                     ("block_hashes", [1]), ("expiry", float("nan"))]:
-        with pytest.raises(ValueError):
-            RemoteOffer.from_params({**p, key: val})
-    with pytest.raises(ValueError):
-        RemoteOffer.from_params({k: v for k, v in p.items() if k != "lease_id"})
-
-
 @given(st.integers(0, 300), st.integers(0, 20), st.sampled_from([8, 16, 32]),
        st.sampled_from([16, 32, 48]), st.floats(0, 200), st.integers(0, 128))
 def test_decision_invariants(prompt_len, hit_blocks, p_bs, d_bs, now, threshold):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvferry.connectors.protocol.params import SECRET_ENV, SIG, RemotePrefill, parse_offer, prompt_hash, sign
-from kvferry.connectors.scheduling.scheduler import RecvTask, StepMeta, TransferScheduler
+from kvferry.connectors.protocol.step import RecvTask, StepMeta
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
 
 BS = 4
 
@@ -222,7 +223,7 @@ def test_d_rejects_offer_with_too_few_blocks():
 
 
 def test_d_rejects_tp_mismatch_when_the_model_heads_are_unknown():
-    expect_rejected(D(tp=2), PROMPT, p_offer(tp=1), "TP 1 != decode TP 2")
+    expect_rejected(D(tp=2), PROMPT, p_offer(tp=1), "TP 1 -> decode TP 2: KV heads unknown")
 
 
 def test_d_accepts_another_tp_size_whose_heads_split_and_rejects_one_that_does_not():

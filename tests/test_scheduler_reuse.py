@@ -7,8 +7,9 @@ import pytest
 from helpers_clock import Clock
 
 from kvferry.connectors.protocol.params import SECRET_ENV, SIG, parse_lease, parse_offer
+from kvferry.connectors.protocol.step import ReuseRead, StepMeta
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
-from kvferry.connectors.scheduling.scheduler import ReuseRead, ReuseSettings, StepMeta, TransferScheduler
+from kvferry.connectors.scheduling.scheduler import ReuseSettings, TransferScheduler
 
 BS = 4
 T0 = 1000.0

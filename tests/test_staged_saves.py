@@ -17,7 +17,8 @@ from kvferry.connectors.compat import KVConnectorRole
 from kvferry.connectors.connector import KvferryConnector, KvferryMeta
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.protocol.params import SECRET_ENV
-from kvferry.connectors.scheduling.scheduler import StepMeta, TransferScheduler
+from kvferry.connectors.protocol.step import StepMeta
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
 from kvferry.connectors.scheduling.staged_saves import SaveTracker
 from kvferry.neuron.backend import ENV_STAGING
 

@@ -212,7 +212,7 @@ def test_pull_read_counts_on_d_and_its_notice_on_p(engines):
 
 def test_failed_read_counts_a_failure_and_a_recompute(engines):
     p, d = engines("P", seed=22), engines("D", handshake_timeout_s=0.5)
-    p.sched.port = free_port()  # the offer names a port nobody listens on
+    p.sched.pull.port = free_port()  # the offer names a port nobody listens on
     offer = p_finish(p, "p-req", P_BLOCKS)
     d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
     assert d.collect(lambda r: "d-req" in r.recvd, 5).bad_blocks == set(D_BLOCKS)

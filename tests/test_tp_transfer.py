@@ -12,6 +12,7 @@ one range per block) and tokens outside heads (NHD, one range per token).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -22,9 +23,11 @@ from helpers_http import free_port
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.protocol.params import SECRET_ENV, InvalidParams
+from kvferry.connectors.protocol.step import ReuseRead, StepMeta
 from kvferry.connectors.protocol.tp_map import heads_of
-from kvferry.connectors.scheduling.scheduler import ReuseRead, StepMeta, TransferScheduler
-from kvferry.connectors.transfer.worker import TransferWorker, _Results
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
+from kvferry.connectors.transfer.results import Results
+from kvferry.connectors.transfer.worker import TransferWorker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,7 +61,7 @@ class Engine:
                                        tp_size=tp, num_heads=heads) for r in range(tp)]
         self.sched = TransferScheduler(self.engine_id, "127.0.0.1", self.port, BS, tp,
                                        num_kv_heads=heads)
-        self.acc = [_Results() for _ in range(tp)]
+        self.acc = [Results() for _ in range(tp)]
 
     def submit(self, meta) -> None:
         for w in self.workers:  # vLLM hands every rank the same metadata
@@ -79,7 +82,7 @@ class Engine:
         assert keep
         self.submit(self.sched.take_meta())
 
-    def wait(self, req: str, what: str, timeout: float = 20.0) -> list[_Results]:
+    def wait(self, req: str, what: str, timeout: float = 20.0) -> list[Results]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for w, acc in zip(self.workers, self.acc, strict=True):
@@ -111,7 +114,7 @@ def engines(monkeypatch):
         e.close()
 
 
-def pull(p: Engine, d: Engine, req: str = "r") -> list[_Results]:
+def pull(p: Engine, d: Engine, req: str = "r") -> list[Results]:
     keep, offer = p.sched.finished(req, True, P_BLOCKS, {"do_remote_decode": True}, PROMPT)
     assert keep
     p.submit(p.sched.take_meta())
@@ -170,7 +173,7 @@ def test_two_requests_reuse_every_rank_handshake(engines):
     for req in ("a", "b"):
         assert pull(p, d, req)[0].bad_blocks == set()
         assert all(req in a.sent for a in p.wait(req, "sent"))
-    assert {k for k in d.workers[0].transport._peers if k.startswith(p.engine_id)} == {
+    assert {k for k in d.workers[0].transport.known_peers() if k.startswith(p.engine_id)} == {
         f"{p.engine_id}/0", f"{p.engine_id}/1"}
 
 
@@ -208,16 +211,9 @@ def test_decode_validates_the_tp_split(monkeypatch, heads, p_tp, d_tp, ok):
     _, offer = p.finished("r", True, P_BLOCKS, {"do_remote_decode": True}, PROMPT)
     count, _ = d.matched_tokens("r", PROMPT, offer, 0)
     assert (d.rejection("r") is None) == ok and (count > 0) == ok
-    with pytest.raises(InvalidParams) if not ok else _nothing():
-        d._validate(PROMPT, offer)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    assert ok or f"prefill TP {p_tp} -> decode TP {d_tp}: " in d.rejection("r")
+    with pytest.raises(InvalidParams) if not ok else contextlib.nullcontext():
+        d.pull.validate(PROMPT, offer)
 
 
 class _FlashLike:
@@ -276,8 +272,8 @@ def test_push_writes_every_d_rank_heads_from_every_p_rank(engines, heads, p_tp, 
     # Every P rank frees: after its WRITEs, or at once when it holds an unread replica.
     assert all(a.sent == {"p1"} for a in p.wait("p1", "sent")), p.acc
     time.sleep(0.2)
-    assert all(w.push.matcher.num_live == 0 and w.push._p == {} for w in p.workers)
-    assert all(w.push._d == {} for w in d.workers)
+    assert all(w.push_write.matcher.num_live == 0 and w.push_write.num_tracked == 0 for w in p.workers)
+    assert all(w.push_recv.num_tracked == 0 for w in d.workers)
 
 
 def test_push_to_a_dead_p_rank_recomputes_on_every_d_rank_without_a_hang(engines):
@@ -296,7 +292,7 @@ def test_push_to_a_dead_p_rank_recomputes_on_every_d_rank_without_a_hang(engines
 def test_p_rank_rejection_keeps_d_blocks_until_every_writer_settled():
     """PushReceiver: one P rank's Reject ends the wait (recompute) but the blocks are
     reused only when the other writers rejected or finished, or after the quarantine."""
-    from kvferry.connectors.protocol.push_match import PushReceiver, RecvFailed, ReleaseDest
+    from kvferry.connectors.protocol.push_receive import PushReceiver, RecvFailed, ReleaseDest
 
     r = PushReceiver(recv_timeout=60, quarantine=5)
     assert r.expect("t", "d1", {0, 1}, 0.0) == []

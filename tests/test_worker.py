@@ -17,10 +17,12 @@ from helpers_http import free_port
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.protocol import messages
-from kvferry.connectors.protocol.params import SECRET_ENV
-from kvferry.connectors.scheduling.scheduler import RecvTask, StepMeta, TransferScheduler
+from kvferry.connectors.protocol.params import PROTOCOL_VERSION, SECRET_ENV
+from kvferry.connectors.protocol.step import RecvTask, StepMeta
+from kvferry.connectors.scheduling.scheduler import TransferScheduler
 from kvferry.connectors.transfer.handshake import HandshakeServer
-from kvferry.connectors.transfer.worker import TransferWorker, _Results
+from kvferry.connectors.transfer.results import Results
+from kvferry.connectors.transfer.worker import TransferWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,9 +51,9 @@ class Engine:
         self.worker = TransferWorker(self.cfg, self.engine_id, 0,
                                      CpuBackend().describe(self.kv, N, BS))
         self.sched = TransferScheduler(self.engine_id, "127.0.0.1", self.port, BS)
-        self.acc = _Results()
+        self.acc = Results()
 
-    def collect(self, until: Callable[[_Results], bool], timeout: float) -> _Results:
+    def collect(self, until: Callable[[Results], bool], timeout: float) -> Results:
         deadline = time.monotonic() + timeout
         while True:
             r = self.worker.results()
@@ -170,7 +172,7 @@ def test_release_only_task_frees_p_without_reading(engines):
 
 def test_closed_handshake_port_fails_read_with_bad_blocks_within_timeout(engines):
     p, d = engines("P", seed=6), engines("D", handshake_timeout_s=0.5)
-    p.sched.port = free_port()  # the offer names a port nobody listens on
+    p.sched.pull.port = free_port()  # the offer names a port nobody listens on
     offer = p_finish(p, "p-req", P_BLOCKS)
     d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
     t0 = time.monotonic()
@@ -183,7 +185,7 @@ def test_closed_handshake_port_fails_read_with_bad_blocks_within_timeout(engines
 
 def test_offer_naming_another_engine_at_that_port_fails_with_bad_blocks(engines):
     p, d = engines("P", seed=7), engines("D")
-    p.sched.engine_id = "someone-else"
+    p.sched.pull.engine_id = "someone-else"
     offer = p_finish(p, "p-req", P_BLOCKS)
     d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
     got = d.collect(lambda r: "d-req" in r.recvd, 5)
@@ -241,17 +243,36 @@ def test_unknown_notifications_do_not_free_other_requests(engines):
     assert p.collect(lambda r: False, 0.3).sent == {"p-req"}
 
 
+def test_peer_of_another_protocol_version_is_refused_at_the_handshake(engines):
+    """A P of another kvferry version answers the side channel with its version: D reads
+    nothing from it (bad blocks: recompute) and still serves the next offer."""
+    p, d = engines("P", seed=13), engines("D")
+    other_port = free_port()
+    other = HandshakeServer("127.0.0.1", other_port, {
+        "engine_id": "other", "rank": 0, "metadata": p.worker.transport.metadata(),
+        "layout": p.worker.transport.layout.to_wire(), "protocol": PROTOCOL_VERSION + 1})
+    try:
+        p.sched.pull.engine_id, p.sched.pull.port = "other", other_port
+        offer = p_finish(p, "old", P_BLOCKS)
+        d.worker.submit(d_task(d, "d-old", offer, D_BLOCKS))
+        got = d.collect(lambda r: "d-old" in r.recvd, 5)
+        assert got.recvd == {"d-old"} and got.bad_blocks == set(D_BLOCKS)
+        assert d.worker.transport.peer("other/0") is None
+    finally:
+        other.close()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_bad_peer_metadata_fails_one_request_and_worker_keeps_serving(engines):
     p, d = engines("P", seed=11), engines("D", recv_timeout_s=5)
     bogus_port = free_port()
     bogus = HandshakeServer("127.0.0.1", bogus_port, {
         "engine_id": "bogus", "rank": 0, "metadata": b"not nixl metadata",
-        "layout": d.worker.transport.layout.to_wire()})
+        "layout": d.worker.transport.layout.to_wire(), "protocol": PROTOCOL_VERSION})
     try:
-        p.sched.engine_id, p.sched.port = "bogus", bogus_port
+        p.sched.pull.engine_id, p.sched.pull.port = "bogus", bogus_port
         bad = p_finish(p, "bad", P_BLOCKS)
-        p.sched.engine_id, p.sched.port = p.engine_id, p.port
+        p.sched.pull.engine_id, p.sched.pull.port = p.engine_id, p.port
         d.worker.submit(d_task(d, "d-bad", bad, D_BLOCKS))
         got = d.collect(lambda r: "d-bad" in r.recvd, 3)
         assert got.recvd == {"d-bad"} and got.bad_blocks == set(D_BLOCKS)
@@ -275,8 +296,8 @@ def test_expired_offer_is_never_read_and_p_is_released(engines):
     """P may free unread blocks after its send timeout; an offer past its signed expiry
     must never be read (those blocks may hold another request's KV by then)."""
     p, d = engines("P", seed=11), engines("D")
-    p.sched.offer_ttl = 30.0
-    p.sched.clock = lambda: time.time() - 31.0  # the prefill finished 31 s ago
+    p.sched = TransferScheduler(p.engine_id, "127.0.0.1", p.port, BS, offer_ttl=30.0,
+                                clock=lambda: time.time() - 31.0)  # the prefill ended 31 s ago
     offer = p_finish(p, "p-req", P_BLOCKS)
     assert 0 < offer["expiry"] < time.time()
     p.worker.submit(p.sched.take_meta())
@@ -289,7 +310,7 @@ def test_expired_offer_is_never_read_and_p_is_released(engines):
 
 def test_live_offer_carries_its_expiry_and_reads(engines):
     p, d = engines("P", seed=12), engines("D")
-    p.sched.offer_ttl = 30.0
+    p.sched = TransferScheduler(p.engine_id, "127.0.0.1", p.port, BS, offer_ttl=30.0)
     offer = p_finish(p, "p-req", P_BLOCKS)
     assert time.time() + 25 < offer["expiry"] <= time.time() + 30
     p.worker.submit(p.sched.take_meta())
@@ -307,11 +328,11 @@ def test_idle_step_waits_for_a_result_and_wakes_at_once(engines):
     t0 = time.monotonic()
     assert not p.worker.results(0.3).any()
     assert 0.25 <= time.monotonic() - t0 < 2.0
-    threading.Timer(0.1, p.worker.report, kwargs={"recvd": {"r1"}}).start()
+    threading.Timer(0.1, p.worker.out.report, kwargs={"recvd": {"r1"}}).start()
     t0 = time.monotonic()
     got = p.worker.results(5.0)
     assert got.recvd == {"r1"} and time.monotonic() - t0 < 1.0
-    p.worker.report(sent={"r2"})
+    p.worker.out.report(sent={"r2"})
     t0 = time.monotonic()
     assert p.worker.results(5.0).sent == {"r2"} and time.monotonic() - t0 < 0.1
 

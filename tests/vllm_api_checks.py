@@ -322,10 +322,10 @@ def test_leases_yield_to_running_requests_where_vllm_asks(make):
     assert dict(so.num_scheduled_tokens) == {"d2": 64} and free_blocks(D) == 0
     so, _ = step(D)  # d2's next token needs a fifth block
     assert dict(so.num_scheduled_tokens) == {}
-    held = D.connector._sched.leases.table._held
+    held = D.connector._sched.leases.table  # "in": still held (a release frees at once)
     if VERSION < (0, 32):
         assert D.requests["d2"].status == RequestStatus.PREEMPTED
-        assert "L1" in held and not held["L1"].released  # nobody asked kvferry
+        assert "L1" in held  # nobody asked kvferry
         return
     assert D.requests["d2"].status == RequestStatus.RUNNING  # not preempted:
     assert "L1" not in held  # vLLM asked; kvferry released the least recently used lease

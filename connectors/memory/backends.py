@@ -155,11 +155,21 @@ def _ndindex(shape: Sequence[int]):
 
 
 class MemoryBackend(ABC):
-    """Where KV blocks live and how NIXL reaches them."""
+    """Where KV blocks live and how NIXL reaches them.
+
+    What a backend can do is declared here, never probed: ``supports_fence`` (`fence`
+    marks a forward's end, so early push may start), ``may_stage`` (KV may move through
+    host mirrors: P stages saves, D grants no leases), ``staging`` (after
+    `register_with`, the host staging in use, or None), `configure` and
+    `transport_backends`.
+    """
 
     name: str
     mem_type: str
     default_nixl_backends: tuple[str, ...]
+    supports_fence: bool = False
+    may_stage: bool = False
+    staging: Any = None  # kvferry.neuron.staging.HostStaging when host-staged
 
     @abstractmethod
     def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int,
@@ -167,7 +177,14 @@ class MemoryBackend(ABC):
         """Regions and planes of this rank's KV caches (layer order = dict order).
         ``heads_dim``: the KV-heads dim of every tensor's (logical) shape, when known."""
 
-    supports_fence: bool = False
+    def configure(self, extra_config: Mapping[str, Any]) -> MemoryBackend:
+        """Apply the engine's kv_connector_extra_config before `describe` (neuron: its
+        registration mode); most backends have nothing to configure."""
+        return self
+
+    def transport_backends(self) -> tuple[str, ...]:
+        """The NIXL backends the registration needs (once `register_with` chose one)."""
+        return self.default_nixl_backends
 
     def kv_heads_dim(self, kv_caches: Mapping[str, Any]) -> int | None:
         """The KV-heads dim of these tensors when the backend knows its engine's layout
@@ -250,25 +267,3 @@ class CudaBackend(TorchMemoryBackend):
         ev = torch.cuda.Event()
         ev.record()  # on the current stream, behind the forward's kernels
         return ev
-
-
-def _neuron_backend() -> MemoryBackend:
-    from kvferry.neuron.backend import NeuronBackend  # lazy: Neuron SDK only on trn hosts
-
-    return NeuronBackend()
-
-
-_BACKENDS: dict[str, Callable[[], MemoryBackend]] = {
-    "cpu": CpuBackend,
-    "cuda": CudaBackend,
-    "neuron": _neuron_backend,
-}
-HARDWARE_BACKENDS = tuple(_BACKENDS)
-
-
-def get_backend(name: str) -> MemoryBackend:
-    """The backend `--hardware-backend NAME` selects."""
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown hardware backend {name!r}; choose one of {HARDWARE_BACKENDS}") from None

@@ -1,5 +1,7 @@
 """NIXL notification messages between engines (msgpack, tagged, versioned by prefix).
 
+Register is signed with the deployment's one MAC (`params.mac`).
+
 Pull:  D -> P  Done        (READ finished, or D will not read: free the blocks once
                             every D rank reading this P rank said so)
 Push:  D -> P  Register    (destination blocks of a transfer id, signed)
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import msgspec
 
-PREFIX = b"kvf1"
+from kvferry.connectors.protocol.params import PROTOCOL_VERSION
+
+PREFIX = b"kvf%d" % PROTOCOL_VERSION  # another version's notifications are not ours
 
 
 class Done(msgspec.Struct, tag="done"):
@@ -52,6 +56,20 @@ class Abort(msgspec.Struct, tag="abort"):
 
 
 Message = Done | Register | Wrote | Rejected | Abort
+
+
+class Hello(msgspec.Struct, forbid_unknown_fields=False):
+    """What each engine rank's side channel answers (transfer/handshake.py): who it is and
+    how to reach its KV. A peer of another `PROTOCOL_VERSION` is refused at the handshake."""
+
+    engine_id: str
+    rank: int
+    metadata: bytes  # the rank's NIXL agent metadata
+    layout: dict  # memory.backends.KVLayout.to_wire()
+    tp_size: int = 1
+    instance: str = ""  # boot id: a restarted engine is another instance
+    protocol: int = 0
+    nixl_backends: list[str] = []  # the backends this rank's agent really created
 _dec = msgspec.msgpack.Decoder(Message)
 
 

@@ -1,15 +1,16 @@
-"""Push protocol state machines: P matches D's registration with its prefill, D counts writes.
+"""Push protocol, P side: match D's registration with the prefill, in either order.
 
 Push moves transfer set-up off the TTFT path: D registers its destination blocks while P
 still computes, and whichever of {registration, prefill done} reaches P second starts the
-WRITE. These classes are pure (no I/O, no threads, no clocks: time comes in as ``now``)
-and return *actions* the glue carries out, so every ordering can be tested exhaustively.
+WRITE. `PushMatcher` is pure (no I/O, no threads, no clocks: time comes in as ``now``)
+and returns *actions* the glue carries out, so every ordering can be tested exhaustively;
+D's side is `push_receive.PushReceiver`.
 
-Identity. The router mints one ``transfer_id`` per attempt (``transfer_id_for``) and
-gives it to both legs together with the router-level ``req_id``. A retry is a new
-attempt and therefore a new transfer id, so a stale leg can never match a newer one.
+Identity. The router mints one ``transfer_id`` per attempt and gives it to both legs. A
+retry is a new attempt and therefore a new transfer id, so a stale leg can never match a
+newer one. P's own request id is the ``owner`` of a prefill's blocks.
 
-P side (`PushMatcher`) guarantees:
+`PushMatcher` guarantees:
 - at most one `StartWrite` per transfer id, never for an aborted, timed-out, failed or
   rejected transfer: P checks its remembered ended ids (tombstones) before writing;
 - exactly one `FreeBlocks` per accepted ``prefill_done`` (after the write, its failure, a
@@ -22,39 +23,31 @@ P side (`PushMatcher`) guarantees:
   WRITE for that transfer id will land: the transport must report ``write_failed`` only
   once no rank's WRITE can still complete.
 
-D side (`PushReceiver`): the request is ready only when every writing P rank notified.
-A destination block of a transfer that failed or timed out on D may still receive a late
-WRITE, so it stays *quarantined* (the glue keeps it allocated) until P's Reject arrives or
-a grace period passed; `ReleaseDest` says when it may be reused.
-
-Tombstones (ended ids) are kept ``tombstone_ttl`` seconds and at most ``max_tombstones``;
-the TTL must exceed any plausible delay of a late event, or a very late duplicate
-``prefill_done`` would be taken for a new one.
+Tombstones (ended ids, `tombstones.Tombstones`) are kept ``tombstone_ttl`` seconds and at
+most ``max_tombstones``; the TTL must exceed any plausible delay of a late event, or a
+very late duplicate ``prefill_done`` would be taken for a new one.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from kvferry.connectors.protocol.tombstones import End, Ended, Tombstones
 
-def transfer_id_for(request_id: str, attempt: int) -> str:
-    """The router's transfer id for one attempt of a request (fresh per retry)."""
-    return f"{request_id}#{attempt}"
+HOLD_TIMEOUT_S = 30.0  # push_hold_timeout_s: prefilled blocks wait this long for D
+REGISTER_TIMEOUT_S = 120.0  # push_register_timeout_s: a registration waits for the prefill
+TOMBSTONE_TTL_S = 600.0
 
 
 @dataclass(frozen=True)
 class Destination:
     """D's registration: where P must write, as D's scheduler allocated it."""
 
-    engine_id: str
-    agent_name: str
     block_ids: tuple[tuple[int, ...], ...]  # per D TP rank, in token order
     block_size: int  # D's tokens per block (may differ from P's)
     num_blocks: int  # D's KV capacity: every id must lie in [0, num_blocks)
-    layout: str = ""  # opaque layout signature; the transport checks compatibility
     first_token: int = 0  # D already holds [0, first_token) (its own prefix hit)
 
     def __post_init__(self) -> None:
@@ -66,10 +59,8 @@ class StartWrite:
     """Hand the transfer to P's writer thread (one per transfer id, ever)."""
 
     transfer_id: str
-    req_id: str
     src_block_ids: tuple[int, ...]  # P blocks covering [first_token, num_tokens)
     src_block_size: int
-    dest: Destination
     dest_block_ids: tuple[tuple[int, ...], ...]  # per D rank, trimmed to what is written
     first_token: int
     num_tokens: int
@@ -81,7 +72,6 @@ class FreeBlocks:
     """P may free this request's blocks now (emitted once per prefill_done)."""
 
     transfer_id: str
-    req_id: str
     block_ids: tuple[int, ...]
     reason: str
     owner: str = ""  # P's engine request id that holds the blocks
@@ -92,8 +82,6 @@ class Reject:
     """Tell D its registration will not be served: recompute; no WRITE will land."""
 
     transfer_id: str
-    req_id: str
-    dest: Destination
     reason: str
 
 
@@ -102,54 +90,14 @@ PushAction = StartWrite | FreeBlocks | Reject
 
 @dataclass
 class _Pending:
-    req_id: str
     dest: Destination | None = None
     registered_at: float = 0.0
     src: tuple[int, ...] | None = None
     num_tokens: int = 0
     prefilled_at: float = 0.0
     writing: bool = False
-    abort_requested: bool = False
     owner: str = ""
     refused: frozenset[str] = frozenset()  # other owners already freed for this id
-
-
-@dataclass(frozen=True)
-class _Ended:
-    reason: str  # done | aborted | hold_timeout | register_timeout | write_failed | invalid
-    had_prefill: bool  # a prefill_done was accepted (and its blocks freed)
-    at: float
-    owners: frozenset[str] = frozenset()  # whose prefill_done was seen (and freed)
-
-
-class _Tombstones:
-    """Recently ended ids, bounded in time and count."""
-
-    def __init__(self, ttl: float, max_entries: int) -> None:
-        self.ttl = ttl
-        self.max_entries = max_entries
-        self._d: OrderedDict[str, _Ended] = OrderedDict()
-
-    def add(self, key: str, ended: _Ended) -> None:
-        self._d.pop(key, None)
-        self._d[key] = ended
-        while len(self._d) > self.max_entries:
-            self._d.popitem(last=False)
-
-    def get(self, key: str) -> _Ended | None:
-        return self._d.get(key)
-
-    def sweep(self, now: float) -> None:
-        for key, e in list(self._d.items()):
-            if e.at == -math.inf:  # ended before any clock was seen: start its TTL now
-                self._d[key] = _Ended(e.reason, e.had_prefill, now, e.owners)
-            elif now - e.at >= self.ttl:
-                del self._d[key]
-            else:
-                break
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -189,9 +137,9 @@ class PushMatcher:
         block_size: int,
         num_blocks: int | None = None,
         *,
-        hold_timeout: float = 30.0,
-        register_timeout: float = 120.0,
-        tombstone_ttl: float = 600.0,
+        hold_timeout: float = HOLD_TIMEOUT_S,
+        register_timeout: float = REGISTER_TIMEOUT_S,
+        tombstone_ttl: float = TOMBSTONE_TTL_S,
         max_tombstones: int = 100_000,
     ) -> None:
         """``hold_timeout``: how long prefilled blocks wait for D's registration;
@@ -204,40 +152,37 @@ class PushMatcher:
         self.hold_timeout = hold_timeout
         self.register_timeout = register_timeout
         self._live: dict[str, _Pending] = {}
-        self._ended = _Tombstones(tombstone_ttl, max_tombstones)
+        self._ended = Tombstones(tombstone_ttl, max_tombstones)
         self._now = -math.inf  # latest time seen; stamps tombstones of clockless events
 
     # -- events ---------------------------------------------------------------------
 
-    def registered(self, transfer_id: str, req_id: str, dest: Destination, now: float
+    def registered(self, transfer_id: str, dest: Destination, now: float
                    ) -> list[PushAction]:
         """D registered destination blocks for ``transfer_id``."""
         self._seen(now)
         if (ended := self._ended.get(transfer_id)) is not None:
-            if ended.reason == "done":
+            if ended.reason is End.DONE:
                 return []  # duplicate of a served registration
-            return [Reject(transfer_id, req_id, dest, f"transfer {ended.reason}")]
+            return [Reject(transfer_id, f"transfer {ended.reason}")]
         p = self._live.get(transfer_id)
         if p is not None and p.dest is not None:
             return []  # duplicate registration: the first one stands
-        if p is not None and p.req_id != req_id:
-            return [Reject(transfer_id, req_id, dest,
-                           f"req_id mismatch: P has {p.req_id!r}, D sent {req_id!r}")]
         if (why := validate_destination(dest)) is not None:
             out: list[PushAction] = [
-                Reject(transfer_id, req_id, dest, f"invalid registration: {why}")]
+                Reject(transfer_id, f"invalid registration: {why}")]
             if p is not None:  # holding prefilled blocks for this attempt: give them up
-                out += self._end(transfer_id, "invalid", "invalid registration")
+                out += self._end(transfer_id, End.INVALID, "invalid registration")
             else:
-                self._ended.add(transfer_id, _Ended("invalid", False, self._now))
+                self._ended.add(transfer_id, Ended(End.INVALID, self._now))
             return out
         if p is None:
-            self._live[transfer_id] = _Pending(req_id, dest=dest, registered_at=now)
+            self._live[transfer_id] = _Pending(dest=dest, registered_at=now)
             return []
         p.dest, p.registered_at = dest, now
         return self._match(transfer_id, p)
 
-    def prefill_done(self, transfer_id: str, req_id: str, block_ids: Sequence[int],
+    def prefill_done(self, transfer_id: str, block_ids: Sequence[int],
                      num_tokens: int, now: float, owner: str = "") -> list[PushAction]:
         """P finished prefill; its blocks ``block_ids`` (token order) hold ``num_tokens``.
 
@@ -249,33 +194,25 @@ class PushMatcher:
         if (ended := self._ended.get(transfer_id)) is not None:
             if owner in ended.owners:
                 return []  # duplicate: these blocks were already freed once
-            self._ended.add(transfer_id, _Ended(ended.reason, True, self._now,
+            self._ended.add(transfer_id, Ended(ended.reason, self._now,
                                                 ended.owners | {owner}))
-            return [FreeBlocks(transfer_id, req_id, src, f"transfer {ended.reason}", owner)]
+            return [FreeBlocks(transfer_id, src, f"transfer {ended.reason}", owner)]
         p = self._live.get(transfer_id)
         if p is not None and p.src is not None:
             if owner == p.owner or owner in p.refused:
                 return []  # duplicate completion: no second write, no second free
             p.refused |= {owner}
-            return [FreeBlocks(transfer_id, req_id, src, "transfer id in use by another request",
+            return [FreeBlocks(transfer_id, src, "transfer id in use by another request",
                                owner)]
-        out: list[PushAction] = []
-        if p is not None and p.req_id != req_id:
-            # The waiting registration belongs to another attempt; P's own request wins.
-            assert p.dest is not None
-            out.append(Reject(transfer_id, p.req_id, p.dest,
-                              f"req_id mismatch: P has {req_id!r}, D sent {p.req_id!r}"))
-            del self._live[transfer_id]
-            p = None
         why = self._bad_prefill(src, num_tokens)
         if p is None:
-            p = self._live[transfer_id] = _Pending(req_id)
+            p = self._live[transfer_id] = _Pending()
         p.src, p.num_tokens, p.prefilled_at, p.owner = src, num_tokens, now, owner
         if why is not None:
-            return out + self._end(transfer_id, "invalid", f"invalid prefill: {why}")
+            return self._end(transfer_id, End.INVALID, f"invalid prefill: {why}")
         if p.dest is None:
-            return out  # hold until D registers (or hold_timeout)
-        return out + self._match(transfer_id, p)
+            return []  # hold until D registers (or hold_timeout)
+        return self._match(transfer_id, p)
 
     def write_done(self, transfer_id: str, now: float | None = None) -> list[PushAction]:
         """Every P rank's WRITE for ``transfer_id`` completed."""
@@ -284,9 +221,9 @@ class PushMatcher:
         if p is None or not p.writing:
             return []
         del self._live[transfer_id]
-        self._ended.add(transfer_id, _Ended("done", True, self._now, p.refused | {p.owner}))
+        self._ended.add(transfer_id, Ended(End.DONE, self._now, p.refused | {p.owner}))
         assert p.src is not None
-        return [FreeBlocks(transfer_id, p.req_id, p.src, "written", p.owner)]
+        return [FreeBlocks(transfer_id, p.src, "written", p.owner)]
 
     def write_failed(self, transfer_id: str, reason: str, now: float | None = None
                      ) -> list[PushAction]:
@@ -295,7 +232,7 @@ class PushMatcher:
         p = self._live.get(transfer_id)
         if p is None or not p.writing:
             return []
-        return self._end(transfer_id, "write_failed", f"write failed: {reason}")
+        return self._end(transfer_id, End.WRITE_FAILED, f"write failed: {reason}")
 
     def abort(self, transfer_id: str, now: float | None = None, owner: str | None = None
               ) -> list[PushAction]:
@@ -310,12 +247,11 @@ class PushMatcher:
         if p is None:
             # Nothing seen yet: remember, so a late registration is rejected and a late
             # prefill_done frees its blocks at once.
-            self._ended.add(transfer_id, _Ended("aborted", False, self._now))
+            self._ended.add(transfer_id, Ended(End.ABORTED, self._now))
             return []
-        if p.writing:
-            p.abort_requested = True  # NIXL may be reading the blocks: free on completion
+        if p.writing:  # NIXL may be reading the blocks: freed when the WRITE ends
             return []
-        return self._end(transfer_id, "aborted", "aborted on P")
+        return self._end(transfer_id, End.ABORTED, "aborted on P")
 
     def tick(self, now: float) -> list[PushAction]:
         """Time out held prefills and waiting registrations; forget old tombstones."""
@@ -325,9 +261,9 @@ class PushMatcher:
             if p.writing:
                 continue
             if p.src is not None and now - p.prefilled_at >= self.hold_timeout:
-                out += self._end(tid, "hold_timeout", "no registration from D in time")
+                out += self._end(tid, End.HOLD_TIMEOUT, "no registration from D in time")
             elif p.src is None and now - p.registered_at >= self.register_timeout:
-                out += self._end(tid, "register_timeout", "prefill did not finish in time")
+                out += self._end(tid, End.REGISTER_TIMEOUT, "prefill did not finish in time")
         self._ended.sweep(now)
         return out
 
@@ -374,202 +310,30 @@ class PushMatcher:
         dest, src, n = p.dest, p.src, p.num_tokens
         assert dest is not None and src is not None
         if dest.first_token >= n:
-            return self._end(transfer_id, "invalid",
+            return self._end(transfer_id, End.INVALID,
                              f"D already holds {dest.first_token} >= {n} tokens")
         need = _ceil_div(n, dest.block_size) - dest.first_token // dest.block_size
         for rank, ids in enumerate(dest.block_ids):
             if len(ids) < need:
-                return self._end(transfer_id, "invalid",
+                return self._end(transfer_id, End.INVALID,
                                  f"rank {rank}: {len(ids)} destination blocks of "
                                  f"{dest.block_size} tokens cannot hold tokens "
                                  f"[{dest.first_token}, {n}) (need {need})")
         p.writing = True
         lo, hi = dest.first_token // self.block_size, _ceil_div(n, self.block_size)
-        return [StartWrite(transfer_id, p.req_id, src[lo:hi], self.block_size, dest,
+        return [StartWrite(transfer_id, src[lo:hi], self.block_size,
                            tuple(ids[:need] for ids in dest.block_ids), dest.first_token, n,
                            p.owner)]
 
-    def _end(self, transfer_id: str, reason: str, detail: str
+    def _end(self, transfer_id: str, reason: End, detail: str
              ) -> list[PushAction]:
         """Finish a live transfer unsuccessfully: free held blocks, reject D's registration."""
         p = self._live.pop(transfer_id)
         out: list[PushAction] = []
         if p.src is not None:
-            out.append(FreeBlocks(transfer_id, p.req_id, p.src, detail, p.owner))
+            out.append(FreeBlocks(transfer_id, p.src, detail, p.owner))
         if p.dest is not None:
-            out.append(Reject(transfer_id, p.req_id, p.dest, detail))
+            out.append(Reject(transfer_id, detail))
         owners = p.refused | {p.owner} if p.src is not None else p.refused
-        self._ended.add(transfer_id, _Ended(reason, p.src is not None, self._now, owners))
+        self._ended.add(transfer_id, Ended(reason, self._now, owners))
         return out
-
-
-# -- D side -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RecvReady:
-    """Every writing P rank notified: D may schedule the request for decode."""
-
-    transfer_id: str
-    req_id: str
-
-
-@dataclass(frozen=True)
-class RecvFailed:
-    """The KV will not (all) arrive: D must recompute. Destination blocks stay held
-    until the matching `ReleaseDest`."""
-
-    transfer_id: str
-    req_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ReleaseDest:
-    """No WRITE for this transfer can land any more: its destination blocks may be reused."""
-
-    transfer_id: str
-    req_id: str
-    reason: str
-
-
-RecvAction = RecvReady | RecvFailed | ReleaseDest
-
-
-@dataclass
-class _Expect:
-    req_id: str
-    p_ranks: frozenset[int]
-    since: float
-    notified: set[int] = field(default_factory=set)
-    rejected: set[int] = field(default_factory=set)  # ranks that promised no (more) WRITE
-    quarantine_until: float | None = None  # set: failed/aborted, waiting out late WRITEs
-
-    def settled(self) -> bool:
-        """No WRITE can still land: every rank rejected or finished writing."""
-        return self.p_ranks <= self.rejected | self.notified
-
-
-class PushReceiver:
-    """D side: readiness from per-rank WRITE notifications, and safe reuse after failure.
-
-    Each ``expect`` ends in exactly one `RecvReady` or exactly one `ReleaseDest`
-    (preceded by one `RecvFailed` unless D itself aborted the request).
-    """
-
-    def __init__(
-        self,
-        *,
-        recv_timeout: float = 180.0,
-        quarantine: float = 30.0,
-        tombstone_ttl: float = 600.0,
-        max_tombstones: int = 100_000,
-    ) -> None:
-        """``recv_timeout`` should exceed P's ``register_timeout`` plus the write time, so
-        P's Reject normally arrives first; ``quarantine`` bounds how long a WRITE that P
-        already started may take to land after D gave up."""
-        self.recv_timeout = recv_timeout
-        self.quarantine = quarantine
-        self._live: dict[str, _Expect] = {}
-        self._ended = _Tombstones(tombstone_ttl, max_tombstones)
-        self._now = -math.inf
-
-    def expect(self, transfer_id: str, req_id: str, p_ranks: Iterable[int], now: float
-               ) -> list[RecvAction]:
-        """D registered destination blocks and waits for WRITEs from ``p_ranks``."""
-        self._now = max(self._now, now)
-        ranks = frozenset(p_ranks)
-        if not ranks:
-            raise ValueError("p_ranks must not be empty")
-        if transfer_id in self._live:
-            return []
-        if (e := self._ended.get(transfer_id)) is not None:
-            # A reused id: P has tombstoned or served it and will never write it again.
-            return [RecvFailed(transfer_id, req_id, f"stale transfer id ({e.reason})"),
-                    ReleaseDest(transfer_id, req_id, "stale transfer id")]
-        self._live[transfer_id] = _Expect(req_id, ranks, now)
-        return []
-
-    def notified(self, transfer_id: str, rank: int) -> list[RecvAction]:
-        """P rank ``rank`` reported its WRITE for ``transfer_id`` complete."""
-        x = self._live.get(transfer_id)
-        if x is None or rank not in x.p_ranks:
-            return []  # unknown or foreign: never makes anything ready
-        if x.quarantine_until is not None:  # abandoned: never ready, but maybe settled
-            x.notified.add(rank)
-            return self._release_if_settled(transfer_id, x)
-        x.notified.add(rank)
-        if x.notified != x.p_ranks:
-            return []
-        del self._live[transfer_id]
-        self._ended.add(transfer_id, _Ended("ready", True, self._now))
-        return [RecvReady(transfer_id, x.req_id)]
-
-    def failed(self, transfer_id: str, reason: str, now: float
-               ) -> list[RecvAction]:
-        """D-side failure: recompute, but keep the blocks until late WRITEs cannot land."""
-        self._now = max(self._now, now)
-        x = self._live.get(transfer_id)
-        if x is None or x.quarantine_until is not None:
-            return []
-        x.quarantine_until = now + self.quarantine
-        return [RecvFailed(transfer_id, x.req_id, reason)]
-
-    def rejected(self, transfer_id: str, reason: str, now: float, rank: int | None = None
-                 ) -> list[RecvAction]:
-        """P's Reject (from rank ``rank``; None: all of P): it will write nothing (more).
-        The blocks are safe at once when no other writing rank may still WRITE; else
-        they stay quarantined until those ranks reject or finish too, or time passes."""
-        self._now = max(self._now, now)
-        x = self._live.get(transfer_id)
-        if x is None:
-            return []
-        x.rejected |= set(x.p_ranks) if rank is None else {rank} & x.p_ranks
-        out: list[RecvAction] = []
-        if x.quarantine_until is None:
-            x.quarantine_until = now + self.quarantine
-            out.append(RecvFailed(transfer_id, x.req_id, f"rejected by P: {reason}"))
-        return out + self._release_if_settled(transfer_id, x)
-
-    def _release_if_settled(self, transfer_id: str, x: _Expect) -> list[RecvAction]:
-        if not (x.rejected and x.settled()):
-            return []
-        del self._live[transfer_id]
-        self._ended.add(transfer_id, _Ended("rejected", True, self._now))
-        return [ReleaseDest(transfer_id, x.req_id, "P acknowledged")]
-
-    def abort(self, transfer_id: str, now: float) -> list[RecvAction]:
-        """D's request was cancelled: quarantine its blocks (no RecvFailed: nobody waits)."""
-        self._now = max(self._now, now)
-        x = self._live.get(transfer_id)
-        if x is None or x.quarantine_until is not None:
-            return []
-        x.quarantine_until = now + self.quarantine
-        return []
-
-    def tick(self, now: float) -> list[RecvAction]:
-        """Time out waiting transfers; release quarantined blocks whose grace period passed."""
-        self._now = max(self._now, now)
-        out: list[RecvAction] = []
-        for tid, x in list(self._live.items()):
-            if x.quarantine_until is None and now - x.since >= self.recv_timeout:
-                x.quarantine_until = now + self.quarantine
-                out.append(RecvFailed(tid, x.req_id, "timed out waiting for P's WRITE"))
-            if x.quarantine_until is not None and now >= x.quarantine_until:
-                del self._live[tid]
-                self._ended.add(tid, _Ended("released", True, self._now))
-                out.append(ReleaseDest(tid, x.req_id, "quarantine over"))
-        self._ended.sweep(now)
-        return out
-
-    def state(self, transfer_id: str) -> str:
-        """waiting | quarantined | ended:<reason> | unknown."""
-        if (x := self._live.get(transfer_id)) is not None:
-            return "waiting" if x.quarantine_until is None else "quarantined"
-        if (e := self._ended.get(transfer_id)) is not None:
-            return f"ended:{e.reason}"
-        return "unknown"
-
-    @property
-    def num_live(self) -> int:
-        return len(self._live)

@@ -24,14 +24,14 @@ Hashes follow `kvferry.connectors.protocol.prefix` with D's block size and the s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvferry.connectors.protocol.prefix import matching_prefix_tokens
 
 DEFAULT_RECOMPUTE_THRESHOLD = 64  # kv_recompute_threshold
-DEFAULT_LEASE_MARGIN = 2.0  # seconds a READ may take before the lease must still hold
+DEFAULT_LEASE_MARGIN = 2.0  # lease_margin_s: a READ may take this long, the lease must hold
+DEFAULT_READ_TIMEOUT = 1.5  # reuse_read_timeout_s: P abandons a READ after this (< margin)
 
 REASONS = ("ok", "no_offer", "invalid_offer", "local_hit_covers", "lease_expiring",
            "unaligned", "prefix_mismatch", "below_threshold")
@@ -52,44 +52,6 @@ class RemoteOffer:
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(self.block_ids))
         object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
-
-    def to_params(self) -> dict[str, Any]:
-        """JSON-able form carried in kv_transfer_params."""
-        return {"lease_id": self.lease_id, "num_tokens": self.num_tokens,
-                "block_ids": list(self.block_ids), "block_hashes": list(self.block_hashes),
-                "block_size": self.block_size, "expiry": self.expiry,
-                "engine_id": self.engine_id}
-
-    @classmethod
-    def from_params(cls, d: Mapping[str, Any]) -> RemoteOffer:
-        """Parse and type-check; raises ValueError on anything malformed."""
-        try:
-            offer = cls(
-                lease_id=str(d["lease_id"]),
-                num_tokens=_int(d["num_tokens"]),
-                block_ids=tuple(_int(b) for b in d["block_ids"]),
-                block_hashes=tuple(_str(h) for h in d["block_hashes"]),
-                block_size=_int(d["block_size"]),
-                expiry=float(d["expiry"]),
-                engine_id=str(d.get("engine_id", "")),
-            )
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"malformed reuse offer: {e!r}") from None
-        if not math.isfinite(offer.expiry):
-            raise ValueError("malformed reuse offer: non-finite expiry")
-        return offer
-
-
-def _int(x: Any) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"expected int, got {x!r}")
-    return x
-
-
-def _str(x: Any) -> str:
-    if not isinstance(x, str):
-        raise TypeError(f"expected str, got {x!r}")
-    return x
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,81 @@ def copies(p: HeadAxis, d: HeadAxis, seg: Segment) -> list[tuple[int, int, int]]
     return [(po, do, n) for (po, n), (do, _) in zip(p.ranges(seg.p_start, seg.count, whole),
                                                    d.ranges(seg.d_start, seg.count, whole),
                                                    strict=True)]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """One engine rank's view of the plan: its rank and TP size, and the model's KV heads
+    over all ranks (0: unknown, so only peers of our own TP size can be served)."""
+
+    rank: int
+    tp_size: int
+    num_heads: int = 0
+
+    def _split(self, other_tp: int, other: str) -> None:
+        if self.num_heads <= 0:
+            raise ValueError(f"{other} TP {other_tp} != ours {self.tp_size} and the model's KV "
+                             "heads are unknown")
+
+    def read_plan(self, src_tp: int, src: str) -> list[tuple[int, list[Segment] | None]]:
+        """(source rank, head segments or None for whole blocks) of every READ fetching
+        our heads: the same rank, whole blocks, when the TP sizes match; else one READ per
+        source rank holding some of our heads (`plan`)."""
+        if src_tp == self.tp_size:
+            return [(self.rank, None)]
+        self._split(src_tp, src)
+        return list(by_rank(plan(self.num_heads, src_tp, self.tp_size, self.rank)).items())
+
+    def release_plan(self, p_tp: int) -> dict[int, int]:
+        """Pull, D: P rank -> how many D ranks' notices it waits for, for the P ranks we
+        tell (`notified_by`; just our own rank's peer when the TP sizes match)."""
+        if p_tp == self.tp_size:
+            return {self.rank: 1}
+        self._split(p_tp, "prefill")
+        return notified_by(self.num_heads, p_tp, self.tp_size, self.rank)
+
+    def push_targets(self, p_tp: int) -> tuple[set[int], list[int], list[int]]:
+        """Push, D: (P ranks whose Wrote we wait for, P ranks we register with, P ranks we
+        tell to free at once). Same TP size: our own rank for all. Otherwise each P rank
+        hears from one D rank, the lowest it writes to (it writes to all of them: an
+        engine's ranks share block ids), and replicas nobody reads from ``p % d_tp``."""
+        if p_tp == self.tp_size:
+            return {self.rank}, [self.rank], []
+        self._split(p_tp, "prefill")
+        lead, idle = [], []
+        for p in range(p_tp):
+            r = readers(self.num_heads, p_tp, self.tp_size, p)
+            if r and min(r) == self.rank:
+                lead.append(p)
+            elif not r and p % self.tp_size == self.rank:
+                idle.append(p)
+        return writers(self.num_heads, p_tp, self.tp_size, self.rank), lead, idle
+
+    def write_ranks(self, d_tp: int, d_rank: int) -> list[int]:
+        """Push, P: the D ranks we WRITE for a registration from D rank ``d_rank``: that
+        rank when the TP sizes match, else every D rank taking some of our heads."""
+        if d_tp == self.tp_size:
+            return [d_rank]
+        self._split(d_tp, "decode")
+        return sorted(readers(self.num_heads, self.tp_size, d_tp, self.rank))
+
+    def write_segments(self, d_tp: int, d_rank: int) -> list[Segment] | None:
+        """Push, P: our head segments D rank ``d_rank`` takes (None: whole blocks)."""
+        if d_tp == self.tp_size:
+            return None
+        return [s for s in plan(self.num_heads, self.tp_size, d_tp, d_rank) if s.p_rank == self.rank]
+
+
+MAX_TP = 64  # bound on a peer's TP size (it sizes per-rank plans)
+
+
+def split_problem(num_heads: int, src_tp: int, dst_tp: int) -> str | None:
+    """Why ranks of a TP ``dst_tp`` engine cannot each read their heads from the ranks of
+    a TP ``src_tp`` one holding them (`plan`), or None when they can."""
+    if num_heads <= 0 or src_tp > MAX_TP:
+        return "KV heads unknown or TP too large"
+    try:
+        plan(num_heads, src_tp, dst_tp, 0)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -19,11 +19,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvferry.connectors.protocol.lease import FreeBlocks, LeaseError, LeaseTable
-from kvferry.connectors.protocol.params import LeaseOffer, sign_lease
+from kvferry.connectors.protocol.lease import (
+    DEFAULT_FREE_GRACE,
+    DEFAULT_MAX_LIFETIME,
+    DEFAULT_TTL,
+    FreeBlocks,
+    LeaseError,
+    LeaseTable,
+    Refusal,
+)
+from kvferry.connectors.protocol.params import InvalidParams, LeaseOffer, lease_request, sign
 from kvferry.connectors.protocol.prefix import block_hashes
 
 log = logging.getLogger("vllm." + __name__)
@@ -33,16 +41,15 @@ TICK_S = 0.05  # sweep leases at most this often (the idle engine steps every ~1
 
 class LeaseKeeper:
     def __init__(self, engine_id: str, instance: str, host: str, port: int, block_size: int,
-                 tp_size: int = 1, *, ttl: float = 480.0, max_lifetime: float = 3600.0,
-                 max_blocks: int | None = None, free_grace: float = 3.0,
+                 tp_size: int = 1, *, ttl: float = DEFAULT_TTL, max_lifetime: float = DEFAULT_MAX_LIFETIME,
+                 max_blocks: int | None = None, free_grace: float = DEFAULT_FREE_GRACE,
                  clock: Callable[[], float] = time.time) -> None:
         self.engine_id, self.instance = engine_id, instance
         self.host, self.port = host, port
         self.block_size, self.tp_size = block_size, tp_size
         self.free_grace = free_grace
         self.clock = clock
-        self.table = LeaseTable(ttl, max_lifetime=max_lifetime, max_blocks=max_blocks,
-                                read_timeout=None)
+        self.table = LeaseTable(ttl, max_lifetime=max_lifetime, max_blocks=max_blocks)
         self._offers: dict[str, LeaseOffer] = {}
         self._frees: list[tuple[float, str]] = []  # (free at, req id)
         self._last_tick = float("-inf")
@@ -52,15 +59,15 @@ class LeaseKeeper:
     def grant(self, req_id: str, request: Any, block_ids: Sequence[int], token_ids: Sequence[int],
               num_computed: int) -> dict[str, Any] | None:
         """Lease a finished request's blocks; the signed offer, or None (free them now)."""
-        if not isinstance(request, Mapping) or not isinstance(request.get("lease_id"), str):
-            log.warning("request %s: malformed lease request %r; not keeping its KV", req_id, request)
+        try:
+            asked = lease_request(request)
+        except InvalidParams as e:
+            log.warning("request %s: %s; not keeping its KV", req_id, e)
             return None
-        lease_id = request["lease_id"]
-        ttl = request.get("ttl")
-        ttl = float(ttl) if isinstance(ttl, int | float) and ttl > 0 else None
+        lease_id, ttl = asked.lease_id, asked.ttl
         n_kv = max(0, min(num_computed, len(token_ids)))
         full = min(n_kv // self.block_size, len(block_ids))
-        if full == 0 or not 0 < len(lease_id) <= 128:
+        if full == 0:
             return None
         tokens = list(token_ids[: full * self.block_size])
         hashes = block_hashes(tokens, self.block_size)
@@ -79,7 +86,7 @@ class LeaseKeeper:
             self._offers[lease_id] = offer
         log.info("lease %s: %d blocks (%d tokens) of request %s until +%.0fs", lease_id, full,
                  len(tokens), req_id, expiry - now)
-        return sign_lease(offer)
+        return sign(offer)
 
     def due_frees(self) -> list[str]:
         """Request ids whose blocks may be freed now (leases ended at least a grace ago)."""
@@ -101,7 +108,7 @@ class LeaseKeeper:
         with self._lock:
             if self._frees:
                 return True
-            victim = next(iter(self.table._held), None)  # LRU order
+            victim = self.table.least_recent()
             if victim is None:
                 return False
             log.info("lease %s: released early, decode needs its blocks", victim)
@@ -120,7 +127,7 @@ class LeaseKeeper:
             expiry = self.table.renew(lease_id, now, ttl)
             offer = self._offers[lease_id]
             offer.expiry = expiry
-            return sign_lease(offer)
+            return sign(offer)
 
     def release(self, lease_id: str) -> None:
         now = self.clock()
@@ -133,10 +140,10 @@ class LeaseKeeper:
             lease = self.table.get(lease_id)
             if lease is None:
                 self.table.renew(lease_id, now, 0.0)  # raises the precise LeaseError
-                raise LeaseError(lease_id, "unknown")
+                raise LeaseError(lease_id, Refusal.UNKNOWN)
             if now >= lease.expiry:
-                raise LeaseError(lease_id, "expired")
-            return sign_lease(self._offers[lease_id])
+                raise LeaseError(lease_id, Refusal.EXPIRED)
+            return sign(self._offers[lease_id])
 
     # -- internals -----------------------------------------------------------------------
     def _schedule(self, freed: list[FreeBlocks], now: float) -> None:

@@ -1,347 +1,120 @@
-"""Scheduler-side pull logic: which requests read, which blocks P keeps, and for how long.
+"""Scheduler-side transfer state of one engine: the facade vLLM's glue calls.
 
 Plain state with no vLLM imports and no I/O, so it is unit-testable: the vLLM glue
 (`connector.py`) turns scheduler callbacks into calls here and ships `StepMeta` to the
-workers each step.
+workers each step. Each mode has its own planner, and a request's kv_transfer_params
+(`KvParams`) pick the one that decides: pull (`pull.py`), push and early push
+(`push.py`, `early_push.py`), P's reuse of D's leased KV (`reuse_reads.py`), D's leases
+(`lease_keeper.py`) and P's host-staged saves (`staged_saves.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvferry.connectors.protocol import timeline
-from kvferry.connectors.protocol.params import (
-    InvalidParams,
-    LeaseOffer,
-    RemotePrefill,
-    blocks_needed,
-    parse_lease,
-    parse_offer,
-    prompt_hash,
-    sign,
-)
-from kvferry.connectors.protocol.reuse import Decision, RemoteOffer, decide_reuse
-from kvferry.connectors.protocol.tp_map import plan
+import msgspec
+
+from kvferry.connectors.protocol.params import InvalidParams, KvParams, kv_params, lease_answer
+from kvferry.connectors.protocol.step import StepMeta
+from kvferry.connectors.scheduling.early_push import EarlyPush
+from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
+from kvferry.connectors.scheduling.pull import PullPlanner
+from kvferry.connectors.scheduling.push import PushPlanner
+from kvferry.connectors.scheduling.reuse_reads import ReusePlanner, ReuseSettings
 from kvferry.connectors.scheduling.staged_saves import SaveTracker
+
+__all__ = ["ReuseSettings", "StepMeta", "TransferScheduler"]
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
-MAX_TP = 64  # bound on a peer's TP size (it sizes per-rank plans)
-
-
-@dataclass
-class RecvTask:
-    """D reads ``remote_block_ids`` from P into ``local_block_ids`` (same order)."""
-
-    req_id: str
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-    offer: RemotePrefill
-    release_only: bool = False  # nothing to read: just tell P to free its blocks
-
-
-@dataclass
-class RegisterTask:
-    """Push, D: tell P where to write ``transfer_id``'s KV (tokens from ``first_token``)."""
-
-    req_id: str
-    transfer_id: str
-    host: str
-    port: int
-    block_ids: list[int]
-    first_token: int
-    num_tokens: int
-    prompt_hash: str
-
-
-@dataclass
-class PushSend:
-    """Push, P: prefill of ``transfer_id`` done; its blocks wait for D's registration."""
-
-    req_id: str
-    transfer_id: str
-    block_ids: list[int]
-    num_tokens: int
-    prompt_hash: str
-    ended_at: float = 0.0  # wall clock (scheduler and workers may be other processes): the
-    # transfer thread logs how long after the prefill ended the KV landed (the handoff's part)
-
-
-@dataclass
-class ReuseRead:
-    """Bidirectional, P: READ D's leased history blocks before computing the rest."""
-
-    req_id: str
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-    engine_id: str
-    instance: str  # D's boot id: a restarted D's blocks are never read
-    host: str
-    port: int
-    deadline: float  # wall clock: abandon (and recompute) after this
-    tp_size: int = 1  # D's: another size than P's means reading head segments per D rank
-
-
-@dataclass
-class ReuseSettings:
-    threshold: int = 64  # kv_recompute_threshold
-    margin_s: float = 2.0
-    read_timeout_s: float = 1.5
-
-
-@dataclass
-class StepMeta:
-    """Scheduler -> workers, once per engine step."""
-
-    recv: list[RecvTask] = field(default_factory=list)
-    send: list[str] = field(default_factory=list)  # P: request ids whose blocks wait for D
-    register: list[RegisterTask] = field(default_factory=list)  # push, D
-    push_send: list[PushSend] = field(default_factory=list)  # push, P
-    # push, P: (transfer id, request id) of prefills cancelled before they finished
-    push_abort_p: list[tuple[str, str]] = field(default_factory=list)
-    push_abort_d: list[str] = field(default_factory=list)  # push, D: transfer ids cancelled
-    reuse: list[ReuseRead] = field(default_factory=list)  # bidirectional, P
-    # push, P (early push): prefills whose last prompt tokens this step computes; the
-    # worker starts their WRITE once the forward's fence passed and a later step began
-    # (whose meta would have named the request in push_preempted).
-    push_ready: list[PushSend] = field(default_factory=list)
-    # push, P: early-pushed requests vLLM preempted; it has freed their blocks already, so
-    # no WRITE may read them and none is reported freed.
-    push_preempted: list[tuple[str, str]] = field(default_factory=list)
-    free: list[str] = field(default_factory=list)  # D: request ids whose lease ended
-    # P, pull with host staging: blocks this step's forward writes, copied device -> host
-    # mirror in wait_for_save so D's one-sided READ finds them (staged_saves.py).
-    save: list[int] = field(default_factory=list)
-    # The step computes nothing (every request waits for KV): the worker may wait briefly
-    # for transfer results instead of returning at once to a spinning engine loop.
-    idle: bool = False
-
-    def has_push(self) -> bool:
-        return bool(self.register or self.push_send or self.push_abort_p or self.push_abort_d
-                    or self.push_ready or self.push_preempted)
-
-
-@dataclass
-class _PushPending:
-    transfer_id: str
-    host: str
-    port: int
-    local_hit_tokens: int
-    num_tokens: int
-    prompt_hash: str
-
-
-@dataclass
-class _PushPrefill:
-    """P, early push: a single-token push prefill being computed, and its blocks so far."""
-
-    transfer_id: str
-    num_tokens: int
-    prompt_hash: str
-    blocks: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Pending:
-    offer: RemotePrefill
-    local_hit_tokens: int
-    num_tokens: int
+Finished = tuple[bool, dict[str, Any] | None]  # (keep the blocks, params to return)
 
 
 class TransferScheduler:
     """Scheduler-side state of one engine, for pull and push (P and D roles alike)."""
 
     def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int = 1,
-                 leases: Any = None, reuse: ReuseSettings | None = None, clock: Any = time.time,
-                 stage_saves: bool = False, offer_ttl: float = 0.0, early_push: bool = False,
-                 num_kv_heads: int = 0):
+                 leases: LeaseKeeper | None = None, reuse: ReuseSettings | None = None,
+                 clock: Callable[[], float] = time.time, stage_saves: bool = False,
+                 offer_ttl: float = 0.0, early_push: bool = False, num_kv_heads: int = 0):
+        """``clock``: wall clock (offers, reuse deadlines and push marks cross processes);
+        ``num_kv_heads``: the model's, over all ranks (0: unknown, so no TP split)."""
         self.engine_id = engine_id
-        self.num_kv_heads = num_kv_heads  # the model's, over all ranks (0: unknown)
-        self.host = host
-        self.port = port
         self.block_size = block_size
         self.tp_size = tp_size
-        self._offers: dict[str, _Pending] = {}
-        self._rejected: dict[str, str] = {}
-        self._meta = StepMeta()
-        self._push: dict[str, _PushPending] = {}  # D: push requests before allocation
-        self.push_waiting: dict[str, str] = {}  # D: req id -> transfer id awaiting P's WRITE
-        self.landed: dict[str, str] = {}  # D, timeline only: KV in, first step not yet planned
-        self.waiting_send: set[str] = set()  # P: delayed-free requests not yet reported
-        self.leases = leases  # D: LeaseKeeper (bidirectional reuse), or None
-        self.reuse_settings = reuse or ReuseSettings()
         self.clock = clock
-        self.offer_ttl = offer_ttl  # P: pull offers expire this long after the prefill
-        self._reuse: dict[str, tuple[LeaseOffer, Decision]] = {}  # P: before allocation
-        self._reading: dict[str, tuple[int, set[int]]] = {}  # P: reuse READs in flight
-        self._reuse_out: dict[str, dict[str, Any]] = {}  # P: what reuse did, per request
+        self.leases = leases  # D: LeaseKeeper (bidirectional reuse), or None
+        self.pull = PullPlanner(engine_id, host, port, block_size, tp_size, num_kv_heads, clock,
+                                offer_ttl)
+        self.push = PushPlanner(block_size, clock)
+        self.early = EarlyPush(block_size, early_push)
+        self.reuse = ReusePlanner(block_size, tp_size, num_kv_heads, reuse or ReuseSettings(),
+                                  clock)
         # P: pull requests' blocks to stage out, when the workers may stage through host DRAM
         self.saves = SaveTracker(block_size) if stage_saves else None
-        # P, early push: prefills tracked until their last chunk is scheduled; then the
-        # transfer ids handed to the workers, until vLLM finishes (or preempts) the request
-        self.early_push = early_push
-        self._push_p: dict[str, _PushPrefill] = {}
-        self.pushed_early: dict[str, str] = {}
-        self._no_early: set[str] = set()  # preempted after an early push: the normal path
+        self.waiting_send: set[str] = set()  # P: delayed-free requests not yet reported
+        self._meta = StepMeta()
+
+    @staticmethod
+    def _params(params: Any) -> KvParams:
+        """The request's kvferry keys; malformed ones (`matched_tokens` recorded why, it
+        sees every request first) mean nothing to transfer: the request computes here."""
+        try:
+            return kv_params(params)
+        except InvalidParams:
+            return KvParams()
+
+    @property
+    def early_push(self) -> bool:
+        return self.early.enabled
+
+    @property
+    def pushed_early(self) -> dict[str, str]:
+        """P: request id -> transfer id of prefills whose WRITE was handed over early."""
+        return self.early.pushed
+
+    @property
+    def landed(self) -> dict[str, str]:
+        """D, timeline only: push requests whose KV is in, first step not yet planned."""
+        return self.push.landed
 
     # -- P side: early push ------------------------------------------------------------
     def track_push_prefill(self, req_id: str, prompt: Sequence[int],
                            params: Mapping[str, Any] | None, max_tokens: int | None) -> None:
-        """Follow a push prefill whose forward may start its WRITE (early push).
-
-        Only single-token requests (the router's P leg): vLLM finishes them in the step
-        that computes the prompt, so their blocks stay put from that forward until the
-        request ends, except for a preemption while that step's output is pending, which
-        the next step's meta reports before any WRITE starts."""
-        if (not self.early_push or max_tokens != 1 or not params
-                or not params.get("do_remote_decode") or not params.get("push")
-                or req_id in self._push_p or req_id in self.pushed_early
-                or req_id in self._no_early):
-            return
-        tid = params.get("transfer_id")
-        if isinstance(tid, str) and tid:
-            self._push_p[req_id] = _PushPrefill(tid, len(prompt), prompt_hash(prompt))
+        """Follow a push prefill whose forward may start its WRITE (early push)."""
+        if self.early.enabled:
+            self.early.track(req_id, prompt, self._params(params), max_tokens)
 
     def plan_push(self, progress: Mapping[str, tuple[int, int]],
                   grown: Mapping[str, tuple[Sequence[int], bool]],
                   preempted: set[str]) -> None:
         """This step's scheduler output -> `StepMeta.push_ready` / `push_preempted`."""
-        for req_id in preempted:
-            if req_id in self._push_p or req_id in self.pushed_early:
-                self._no_early.add(req_id)  # resumed, it pushes when it finishes
-            self._push_p.pop(req_id, None)
-            if (tid := self.pushed_early.pop(req_id, None)) is not None:
-                self._meta.push_preempted.append((tid, req_id))
-        for req_id, (ids, replace) in grown.items():
-            if (pp := self._push_p.get(req_id)) is not None:
-                pp.blocks = list(ids) if replace else pp.blocks + list(ids)
-        now = time.time()
-        for req_id, (computed, n) in progress.items():
-            pp = self._push_p.get(req_id)
-            if pp is None or n <= 0 or computed + n < pp.num_tokens:
-                continue
-            del self._push_p[req_id]
-            if len(pp.blocks) < blocks_needed(pp.num_tokens, self.block_size):
-                log.warning("request %s: %d blocks known for %d tokens; pushing when it ends",
-                            req_id, len(pp.blocks), pp.num_tokens)
-                continue
-            self.pushed_early[req_id] = pp.transfer_id
-            timeline.mark(log, pp.transfer_id, "last_chunk_scheduled", now)
-            self._meta.push_ready.append(PushSend(req_id, pp.transfer_id, list(pp.blocks),
-                                                  pp.num_tokens, pp.prompt_hash, now))
+        self.early.plan(progress, grown, preempted, self.clock(), self._meta)
 
     def tracks_push(self) -> bool:
-        return bool(self._push_p or self.pushed_early)
+        return self.early.tracks()
 
-    # -- P side: bidirectional reuse ----------------------------------------------------
-    def _reuse_matched(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any],
-                       num_computed: int) -> tuple[int, bool]:
-        """Tokens of D's leased history P will READ (async) beyond its own prefix hit."""
-        self._reuse.pop(req_id, None)
-        try:
-            offer = parse_lease(params["reuse"])
-            if offer.tp_size != self.tp_size:
-                self._check_split(offer.tp_size, self.tp_size, "decode", "prefill")
-            if offer.block_size != self.block_size:
-                raise InvalidParams(f"decode block size {offer.block_size} != {self.block_size}")
-        except InvalidParams as e:
-            log.warning("request %s: not reusing decode's KV: %s", req_id, e)
-            self._reuse_out[req_id] = {"reused_tokens": 0, "reuse_reason": "invalid_offer"}
-            return 0, False
-        remote = RemoteOffer(offer.lease_id, offer.num_tokens, offer.block_ids,
-                             offer.block_hashes, offer.block_size, offer.expiry, offer.engine_id)
-        rs = self.reuse_settings
-        dec = decide_reuse(prompt, num_computed, remote, self.clock(), block_size=self.block_size,
-                           recompute_threshold=rs.threshold, lease_margin=rs.margin_s)
-        self._reuse_out[req_id] = {"reused_tokens": 0, "reuse_reason": dec.reason}
-        if not dec.read:
-            return 0, False
-        self._reuse[req_id] = (offer, dec)
-        return dec.tokens_to_read, True
-
-    def _reuse_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        offer, dec = self._reuse.pop(req_id)
-        lo, hi = dec.local_block_range
-        local = list(block_ids[lo:hi])
-        if num_external <= 0 or len(local) != len(dec.remote_block_ids):
-            self._reuse_out[req_id] = {"reused_tokens": 0, "reuse_reason": "not_allocated"}
-            return
-        self._meta.reuse.append(ReuseRead(
-            req_id, local, list(dec.remote_block_ids), offer.engine_id, offer.instance,
-            offer.host, offer.port, self.clock() + self.reuse_settings.read_timeout_s,
-            offer.tp_size))
-        self._reading[req_id] = (dec.tokens_to_read, set(local))
-
-    # -- D side ------------------------------------------------------------------------
+    # -- matching and allocation ---------------------------------------------------------
     def matched_tokens(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any] | None,
                        num_computed: int) -> tuple[int, bool]:
-        """Tokens D will load from P (async) beyond its own prefix-cache hit."""
-        if params and params.get("reuse") is not None and not params.get("do_remote_prefill"):
-            return self._reuse_matched(req_id, prompt, params, num_computed)
-        if not params or not params.get("do_remote_prefill"):
-            return 0, False
-        if params.get("push"):
-            return self._push_matched(req_id, prompt, params, num_computed)
-        pend = self._offers.get(req_id)
-        if pend is None:
-            if req_id in self._rejected:
-                return 0, False
-            try:
-                offer = self._validate(prompt, params)
-            except InvalidParams as e:
-                self._rejected[req_id] = str(e)
-                log.warning("request %s: recomputing locally, offer rejected: %s", req_id, e)
-                return 0, False
-            pend = self._offers[req_id] = _Pending(offer, num_computed, len(prompt))
-        pend.local_hit_tokens = num_computed
-        count = pend.num_tokens - num_computed
-        return (count, True) if count > 0 else (0, False)
-
-    def _validate(self, prompt: Sequence[int], params: Mapping[str, Any]) -> RemotePrefill:
-        offer = parse_offer(params)
-        if offer.remote_num_tokens != len(prompt) or offer.prompt_hash != prompt_hash(prompt):
-            raise InvalidParams("offer is for a different prompt (token mismatch)")
-        if blocks_needed(len(prompt), self.block_size) > len(offer.remote_block_ids):
-            raise InvalidParams(
-                f"offer has {len(offer.remote_block_ids)} blocks for {len(prompt)} tokens"
-            )
-        if offer.remote_tp_size != self.tp_size:
-            self._check_split(offer.remote_tp_size, self.tp_size, "prefill", "decode")
-        return offer
-
-    def _check_split(self, src_tp: int, dst_tp: int, src: str, dst: str) -> None:
-        """Each rank here will read its heads from the peer ranks holding them
-        (tp_map.plan): refuse when the model's heads do not split over both sizes."""
-        if self.num_kv_heads <= 0 or src_tp > MAX_TP:
-            raise InvalidParams(f"{src} TP {src_tp} != {dst} TP {dst_tp} "
-                                "(KV heads unknown or TP too large)")
+        """Tokens this engine will load (async) beyond its own prefix-cache hit: D from P
+        (pull or push), P from D's leased history (reuse)."""
         try:
-            plan(self.num_kv_heads, src_tp, dst_tp, 0)
-        except ValueError as e:
-            raise InvalidParams(f"{src} TP {src_tp} -> {dst} TP {dst_tp}: {e}") from None
-
-    def _push_matched(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any],
-                      num_computed: int) -> tuple[int, bool]:
-        """Push: D will receive P's WRITE for everything beyond its own prefix hit."""
-        pend = self._push.get(req_id)
-        if pend is None:
-            if req_id in self._rejected:
-                return 0, False
-            tid, host, port = params.get("transfer_id"), params.get("remote_host"), params.get("remote_port")
-            if not (isinstance(tid, str) and tid and isinstance(host, str)
-                    and isinstance(port, int) and 0 < port < 65536):
-                self._rejected[req_id] = "push params need transfer_id, remote_host, remote_port"
-                log.warning("request %s: recomputing locally: %s", req_id, self._rejected[req_id])
-                return 0, False
-            pend = self._push[req_id] = _PushPending(tid, host, port, num_computed, len(prompt),
-                                                     prompt_hash(prompt))
-        pend.local_hit_tokens = num_computed
-        count = pend.num_tokens - num_computed
-        return (count, True) if count > 0 else (0, False)
+            kp = kv_params(params)
+        except InvalidParams as e:
+            self.pull.rejected[req_id] = str(e)
+            log.warning("request %s: recomputing locally: %s", req_id, e)
+            return 0, False
+        if kp.reuse is not None and not kp.do_remote_prefill:
+            return self.reuse.matched(req_id, prompt, kp, num_computed)
+        if not kp.do_remote_prefill:
+            return 0, False
+        if kp.push:
+            return self.push.matched(req_id, prompt, kp, num_computed)
+        return self.pull.matched(req_id, prompt, params or {}, num_computed)
 
     def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int,
                     params: Mapping[str, Any] | None = None) -> None:
@@ -349,131 +122,70 @@ class TransferScheduler:
 
         ``params`` (the request's kv_transfer_params) marks P-role pull requests, whose
         blocks host staging must copy to the mirror as the forward fills them."""
-        if (pp := self._push_p.get(req_id)) is not None:
-            pp.blocks = list(block_ids)
-        if (self.saves is not None and params and params.get("do_remote_decode")
-                and not params.get("push")):  # push: P stages right before its WRITE
-            self.saves.allocated(req_id, block_ids)
-        if req_id in self._reuse:
-            self._reuse_alloc(req_id, block_ids, num_external)
+        self.early.allocated(req_id, block_ids)
+        if self.saves is not None and params:
+            kp = self._params(params)
+            if kp.do_remote_decode and not kp.push:  # push: P stages right before its WRITE
+                self.saves.allocated(req_id, block_ids)
+        if (self.reuse.allocated(req_id, block_ids, num_external, self._meta)
+                or self.push.allocated(req_id, block_ids, num_external, self._meta)):
             return
-        push = self._push.pop(req_id, None)
-        if push is not None:
-            hit = push.local_hit_tokens // self.block_size
-            need = blocks_needed(push.num_tokens, self.block_size)
-            if num_external <= 0 or hit >= need:  # nothing to receive: P may free at once
-                self._meta.push_abort_d.append(push.transfer_id)
-                return
-            self._meta.register.append(RegisterTask(
-                req_id, push.transfer_id, push.host, push.port, list(block_ids[hit:need]),
-                hit * self.block_size, push.num_tokens, push.prompt_hash))
-            self.push_waiting[req_id] = push.transfer_id
-            return
-        pend = self._offers.pop(req_id, None)
-        if pend is None:
-            return
-        hit = pend.local_hit_tokens // self.block_size
-        need = blocks_needed(pend.num_tokens, self.block_size)
-        if num_external <= 0 or hit >= need:
-            self._meta.recv.append(RecvTask(req_id, [], [], pend.offer, release_only=True))
-            return
-        local = list(block_ids[hit:need])
-        remote = list(pend.offer.remote_block_ids[hit:need])
-        if len(local) != len(remote):
-            log.warning("request %s: %d local blocks for %d remote; recomputing", req_id,
-                        len(local), len(remote))
-            self._meta.recv.append(RecvTask(req_id, [], [], pend.offer, release_only=True))
-            return
-        self._meta.recv.append(RecvTask(req_id, local, remote, pend.offer))
+        self.pull.allocated(req_id, block_ids, num_external, self._meta)
 
     def rejection(self, req_id: str) -> str | None:
-        return self._rejected.get(req_id)
+        """Why D refused to load this request's KV (it recomputes), or None."""
+        return self.pull.rejected.get(req_id) or self.push.rejected.get(req_id)
 
-    # -- both sides --------------------------------------------------------------------
+    # -- the end of a request --------------------------------------------------------------
     def finished(self, req_id: str, ok: bool, block_ids: Sequence[int], params: Mapping[str, Any] | None,
-                 prompt: Sequence[int], transfer_id: str = "", tokens: Sequence[int] = (),
-                 num_computed: int = 0) -> tuple[bool, dict[str, Any] | None]:
+                 prompt: Sequence[int], tokens: Sequence[int] = (),
+                 num_computed: int = 0) -> Finished:
         """P: keep a finished prefill's blocks for D and publish the signed offer.
         D: keep a finished turn's blocks under a lease when the router asked for one."""
-        self._rejected.pop(req_id, None)
-        self.landed.pop(req_id, None)
-        self._push_p.pop(req_id, None)
-        self._no_early.discard(req_id)
-        early = self.pushed_early.pop(req_id, None) is not None
-        self._reuse.pop(req_id, None)
-        self._reading.pop(req_id, None)
+        meta = self._meta
+        self.pull.forget(req_id, meta)
+        self.push.forget(req_id, meta)
+        early = self.early.forget(req_id)
+        report = self.reuse.forget(req_id)
         if self.saves is not None:  # staged by the step that computed the prompt (or never)
             self.saves.drop([req_id])
-        reuse_out = self._reuse_out.pop(req_id, {})
-        push = self._push.pop(req_id, None)
-        if push is not None:  # D push request ended before allocation: P may free
-            self._meta.push_abort_d.append(push.transfer_id)
-        if (tid := self.push_waiting.pop(req_id, None)) is not None:
-            # Aborted while P's WRITE may still land: vLLM keeps the blocks until the
-            # worker reports this request received, which it does once no WRITE can land.
-            self._meta.push_abort_d.append(tid)
-        pend = self._offers.pop(req_id, None)
-        if pend is not None:  # D request ended before its blocks were allocated
-            self._meta.recv.append(RecvTask(req_id, [], [], pend.offer, release_only=True))
-        # A D request aborted mid-READ needs nothing here: vLLM keeps its blocks until the
-        # worker reports the READ finished (done or failed).
-        if params and params.get("lease") is not None and not params.get("do_remote_decode"):
-            if ok and block_ids and self.leases is not None:
-                lease = self.leases.grant(req_id, params["lease"], block_ids, tokens, num_computed)
-                if lease is not None:
-                    return True, {"lease": lease}
+        kp = self._params(params)
+        if kp.lease is not None and not kp.do_remote_decode:
+            return self._lease(req_id, ok, block_ids, kp, tokens, num_computed)
+        if not kp.do_remote_decode:
             return False, None
-        if not params or not params.get("do_remote_decode"):
-            return False, None
-        if params.get("push"):
-            tid = str(params.get("transfer_id", ""))
-            if not ok or not block_ids or not tid:
-                if tid:
-                    self._meta.push_abort_p.append((tid, req_id))
-                if early and tid:  # a WRITE may be reading the blocks: the worker frees
-                    self.waiting_send.add(req_id)
-                    return True, None
-                return False, None
-            ended = time.time()
-            timeline.mark(log, tid, "prefill_end", ended)
-            self._meta.push_send.append(PushSend(req_id, tid, list(block_ids), len(prompt),
-                                                 prompt_hash(prompt), ended))
+        extra = msgspec.to_builtins(report) if report is not None else {}
+        if kp.push:
+            out = self.push.finished(req_id, ok, block_ids, kp, prompt, early, meta)
+            keep, returned = out.keep, out.params and {**out.params, **extra}
+        elif ok and block_ids:
+            keep, returned = True, {**self.pull.publish(req_id, kp, block_ids, prompt, meta), **extra}
+        else:
+            keep, returned = False, None
+        if keep:
             self.waiting_send.add(req_id)
-            return True, {"transfer_id": tid, "push": True, **reuse_out}
-        if not ok or not block_ids:
-            return False, None
-        offer = RemotePrefill(
-            remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
-            remote_block_ids=list(block_ids), remote_request_id=req_id,
-            remote_num_tokens=len(prompt), prompt_hash=prompt_hash(prompt),
-            remote_tp_size=self.tp_size, transfer_id=str(params.get("transfer_id", "")),
-            expiry=self.clock() + self.offer_ttl if self.offer_ttl > 0 else 0.0,
-        )
-        self._meta.send.append(req_id)
-        self.waiting_send.add(req_id)
-        return True, {**sign(offer), **reuse_out}
+        return keep, returned
+
+    def _lease(self, req_id: str, ok: bool, block_ids: Sequence[int], kp: KvParams,
+               tokens: Sequence[int], num_computed: int) -> Finished:
+        """D: keep a finished turn's blocks under the lease the router asked for."""
+        if ok and block_ids and self.leases is not None:
+            lease = self.leases.grant(req_id, kp.lease, block_ids, tokens, num_computed)
+            if lease is not None:
+                return True, lease_answer(lease)
+        return False, None
 
     def worker_done(self, sent: set[str], recvd: set[str] = frozenset(),
                     invalid_blocks: set[int] = frozenset()) -> None:
         """Workers reported finished sends (P's blocks free) and receives (D, or P's reuse
         READs; ``invalid_blocks`` are blocks whose load failed)."""
         self.waiting_send -= sent
-        for req_id in recvd:
-            if (tid := self.push_waiting.pop(req_id, None)) is not None and timeline.ENABLED:
-                timeline.mark(log, tid, "kv_seen")
-                self.landed[req_id] = tid
-            reading = self._reading.pop(req_id, None)
-            if reading is not None and req_id in self._reuse_out:
-                n, local = reading
-                ok = not (local & invalid_blocks)
-                self._reuse_out[req_id] = {"reused_tokens": n if ok else 0,
-                                           "reuse_reason": "ok" if ok else "read_failed"}
+        self.push.received(recvd)
+        self.reuse.received(recvd, invalid_blocks)
 
     def note_scheduled(self, req_ids: Iterable[str]) -> None:
         """Timeline only: push requests whose first decode step was just scheduled."""
-        for req_id in req_ids:
-            if (tid := self.landed.pop(req_id, None)) is not None:
-                timeline.mark(log, tid, "scheduled")
+        self.push.note_scheduled(req_ids)
 
     def plan_saves(self, progress: Mapping[str, tuple[int, int]],
                    grown: Mapping[str, tuple[Sequence[int], bool]] | None = None) -> None:

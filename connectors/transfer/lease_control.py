@@ -1,7 +1,7 @@
 """Lease control channel: the router renews, releases and looks up D's leases (ZMQ REQ/REP).
 
 A decode engine's scheduler serves it from a daemon thread (`ControlServer`). Requests are
-signed with the deployment secret (HMAC) and time-stamped, so only the router (or another
+signed with the deployment secret (the one MAC, `params.mac`) and time-stamped, so only the router (or another
 holder of ``KVFERRY_SECRET``) can end or extend a lease, and a captured request cannot be
 replayed later. Replies: ``{"ok": True, "offer": <signed LeaseOffer>}`` or
 ``{"ok": False, "error": "<reason>"}`` where reason is a `LeaseError` reason or
@@ -10,74 +10,76 @@ replayed later. Replies: ``{"ok": True, "offer": <signed LeaseOffer>}`` or
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from kvferry.connectors.protocol.lease import LeaseError
-from kvferry.connectors.protocol.params import secret
+from kvferry.connectors.protocol.params import mac, mac_ok
 from kvferry.connectors.transfer.handshake import ReplyServer
 
 log = logging.getLogger("vllm." + __name__)
 
-OPS = ("renew", "release", "info")
+Op = Literal["renew", "release", "info"]
+OPS: tuple[str, ...] = ("renew", "release", "info")
 MAX_SKEW_S = 300.0
 
 
-def _mac(op: str, lease_id: str, ttl: float | None, ts: float, key: bytes) -> str:
-    return hmac.new(key, msgspec.msgpack.encode([op, lease_id, ttl, ts]), hashlib.sha256).hexdigest()
+class LeaseControl(msgspec.Struct):
+    """One request of the router to D, signed with the deployment's MAC (`params.mac`)."""
+
+    op: Op
+    lease_id: str
+    ts: float  # the router's wall clock: D refuses requests older or newer than MAX_SKEW_S
+    ttl: float | None = None
+    sig: str = ""
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+_decoder = msgspec.msgpack.Decoder(LeaseControl)
 
 
 def request(op: str, lease_id: str, ttl: float | None = None, key: bytes | None = None) -> bytes:
     if op not in OPS:
         raise ValueError(f"unknown lease op {op!r}")
-    ts = time.time()
-    sig = _mac(op, lease_id, ttl, ts, secret() if key is None else key)
-    return msgspec.msgpack.encode({"op": op, "lease_id": lease_id, "ttl": ttl, "ts": ts, "sig": sig})
+    # floats on the wire: the MAC covers the decoded (float) values
+    req = LeaseControl(op, lease_id, time.time(), None if ttl is None else float(ttl))  # type: ignore[arg-type]
+    req.sig = mac(req, key)
+    return msgspec.msgpack.encode(req)
 
 
 def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None = None) -> dict[str, Any]:
     """One request against a `LeaseKeeper`; never raises."""
-    k = secret() if key is None else key
     try:
-        req = msgspec.msgpack.decode(blob)
-        op, lease_id, ttl, ts, sig = (req["op"], req["lease_id"], req.get("ttl"), req["ts"],
-                                      req["sig"])
-        # An ASCII sig (compare_digest raises on other str) and finite numbers (a NaN
-        # ts would pass the staleness check) are checked here, so nothing below raises.
-        if (op not in OPS or not isinstance(lease_id, str) or not isinstance(sig, str)
-                or not sig.isascii()):
-            raise ValueError("bad fields")
-        if not _finite(ts):
+        req = _decoder.decode(blob)
+        # Finite numbers (a NaN ts would pass the staleness check) are checked here, so
+        # nothing below raises.
+        if not req.sig.isascii():  # hmac.compare_digest raises on other str
+            raise ValueError("bad sig")
+        if not math.isfinite(req.ts):
             raise ValueError("bad ts")
-        if ttl is not None and (not _finite(ttl) or ttl <= 0):
+        if req.ttl is not None and (not math.isfinite(req.ttl) or req.ttl <= 0):
             raise ValueError("bad ttl")
     except Exception:
         return {"ok": False, "error": "bad_request"}
-    if not k or not hmac.compare_digest(sig, _mac(op, lease_id, ttl, ts, k)):
+    if not mac_ok(req, req.sig, key):
         return {"ok": False, "error": "bad_signature"}
-    if abs((time.time() if now is None else now) - float(ts)) > MAX_SKEW_S:
+    if abs((time.time() if now is None else now) - req.ts) > MAX_SKEW_S:
         return {"ok": False, "error": "stale"}
+    op, lease_id = req.op, req.lease_id
     try:
         if op == "renew":
-            return {"ok": True, "offer": keeper.renew(lease_id, ttl)}
+            return {"ok": True, "offer": keeper.renew(lease_id, req.ttl)}
         if op == "release":
             keeper.release(lease_id)
             return {"ok": True}
         return {"ok": True, "offer": keeper.info(lease_id)}
     except LeaseError as e:
-        return {"ok": False, "error": e.reason}
+        return {"ok": False, "error": str(e.reason)}
     except Exception as e:  # a bug must not kill the channel
         log.exception("lease control %s %s", op, lease_id)
         return {"ok": False, "error": f"internal: {e}"}

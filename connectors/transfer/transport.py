@@ -32,6 +32,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
@@ -57,22 +58,32 @@ class Peer:
     layout: KVLayout
 
 
+class XferState(StrEnum):
+    """A transfer's state, as NIXL reports it for each request."""
+
+    PROC = "PROC"  # still running
+    DONE = "DONE"
+    ERR = "ERR"
+
+
 @dataclass
 class Transfer:
     handles: list
     peer: str
     nbytes: int
     ndesc: int
-    state: str = "PROC"
+    state: XferState = XferState.PROC
     notif_after: bytes = b""  # sent once every lane is done (multi-lane READs)
 
 
 _AGENT_LOCK = threading.Lock()
 
 
-def combined(states: Sequence[str]) -> str:
+def combined(states: Sequence[XferState]) -> XferState:
     """One state for several requests: ERR if any failed, PROC while any runs, else DONE."""
-    return "ERR" if "ERR" in states else ("PROC" if "PROC" in states else "DONE")
+    if XferState.ERR in states:
+        return XferState.ERR
+    return XferState.PROC if XferState.PROC in states else XferState.DONE
 
 
 UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
@@ -95,25 +106,35 @@ def ucx_defaults() -> dict[str, str]:
 
 
 def make_agent(name: str, backends: Sequence[str], progress_delay_us: int):
-    """A NIXL agent whose progress thread waits up to ``progress_delay_us`` for events.
-
-    nixl's Python wrapper (1.5.x) builds its agent config with ``pthrDelay = 0``, which
-    makes each agent's progress thread poll in a tight loop: one core per engine rank,
-    spent even when idle (two engines on a 2-core host starve each other). The UCX
-    progress thread sleeps on the workers' event fds, so a delay only bounds how long an
-    idle wait lasts; events still wake it at once. The wrapper offers no knob, so the
-    bound config constructor is wrapped for the duration of this one construction.
-    """
+    """A NIXL agent with ``backends`` whose progress thread waits up to
+    ``progress_delay_us`` for events (0: nixl's own busy-polling thread)."""
     import nixl._api as api  # lazy: heavy native import
 
     ucx_defaults()
     conf = api.nixl_agent_config(backends=list(backends))
+    if progress_delay_us <= 0:
+        return api.nixl_agent(name, conf)
+    return _agent_with_progress_delay(api, name, conf, progress_delay_us)
+
+
+def _agent_with_progress_delay(api, name: str, conf, progress_delay_us: int):  # noqa: ANN001
+    """``api.nixl_agent(name, conf)`` with the bound agent config's ``pthrDelay`` set.
+
+    Why a monkeypatch: nixl's Python wrapper (1.5.x) builds its agent config with
+    ``pthrDelay = 0``, which makes each agent's progress thread poll in a tight loop: one
+    core per engine rank, spent even when idle (two engines on a 2-core host starve each
+    other). The UCX progress thread sleeps on the workers' event fds, so a delay only
+    bounds how long an idle wait lasts; events still wake it at once. The wrapper offers
+    no knob, so its binding's agent constructor (``nixlBind.nixlAgent``) is replaced for
+    the duration of this one construction, under a lock (agents of several ranks may be
+    built at once), and always restored. A nixl without that binding gets its default.
+    """
     bind = getattr(api, "nixlBind", None)
     real = getattr(bind, "nixlAgent", None)
-    if progress_delay_us <= 0 or real is None:
+    if real is None:
         return api.nixl_agent(name, conf)
 
-    def agent_with_delay(agent_name, cfg):
+    def agent_with_delay(agent_name, cfg):  # noqa: ANN001, ANN202
         cfg.pthrDelay = progress_delay_us
         return real(agent_name, cfg)
 
@@ -195,6 +216,10 @@ class Transport:
     def peer(self, key: str) -> Peer | None:
         return self._peers.get(key)
 
+    def known_peers(self) -> dict[str, Peer]:
+        """Every key a peer is known by (several keys may share one remote agent)."""
+        return dict(self._peers)
+
     def alias(self, key: str, existing: str) -> Peer:
         """Reach the peer known as ``existing`` under ``key`` too, without loading its
         metadata again: NIXL re-registering a remote agent invalidates every transfer in
@@ -245,9 +270,9 @@ class Transport:
         if not len(loc):  # nothing to move: still deliver the notification
             if notif:
                 self.agent.send_notif(peer.agent_name, notif)
-            return Transfer([], peer.agent_name, 0, 0, "DONE")
+            return Transfer([], peer.agent_name, 0, 0, XferState.DONE)
         lanes = max(1, min(lanes if op == "READ" else 1, len(loc)))
-        xfer = Transfer([], peer.agent_name, nbytes, len(loc), "PROC",
+        xfer = Transfer([], peer.agent_name, nbytes, len(loc), XferState.PROC,
                         notif if lanes > 1 else b"")
         try:
             for lo, re in zip(np.array_split(loc, lanes), np.array_split(rem, lanes), strict=True):
@@ -256,32 +281,32 @@ class Transport:
                 handle = self.agent.initialize_xfer(op, ldl, rdl, peer.agent_name,
                                                     b"" if lanes > 1 else notif)
                 xfer.handles.append(handle)
-                if self.agent.transfer(handle) == "ERR":
+                if self.agent.transfer(handle) == XferState.ERR:
                     raise TransferError("posting returned ERR")
         except Exception as e:
             self.release(xfer)
             raise TransferError(f"{op} to {peer.agent_name} failed to post: {e}") from e
         return xfer
 
-    def poll(self, xfer: Transfer) -> str:
-        """DONE | PROC | ERR; releases the NIXL handles once the transfer ends."""
-        if xfer.state != "PROC":
+    def poll(self, xfer: Transfer) -> XferState:
+        """The transfer's state; releases the NIXL handles once it ended."""
+        if xfer.state != XferState.PROC:
             return xfer.state
         states = []
         for h in xfer.handles:
             try:
-                states.append(self.agent.check_xfer_state(h))
-            except Exception as e:
+                states.append(XferState(self.agent.check_xfer_state(h)))
+            except Exception as e:  # an unknown state string too: never PROC forever
                 log.warning("transfer to %s: %s", xfer.peer, e)
-                states.append("ERR")
+                states.append(XferState.ERR)
         xfer.state = combined(states)
-        if xfer.state != "PROC":
+        if xfer.state != XferState.PROC:
             self.release(xfer)
-            if xfer.state == "DONE" and xfer.notif_after:
+            if xfer.state == XferState.DONE and xfer.notif_after:
                 self.agent.send_notif(xfer.peer, xfer.notif_after)
         return xfer.state
 
-    def poll_all(self, xfers: Sequence[Transfer]) -> str:
+    def poll_all(self, xfers: Sequence[Transfer]) -> XferState:
         """`poll` every transfer of one request (one per peer rank), combined."""
         return combined([self.poll(x) for x in xfers])
 

@@ -1,0 +1,175 @@
+"""Push, D, on the transfer thread: register destination blocks with P, wait for its WRITE.
+
+For each `RegisterTask` D fetches P's handshake (cached), sends a signed `Register`
+notification with its destination blocks to the P ranks it leads, and waits in a
+`PushReceiver` for every writing P rank's `Wrote`. Every outcome reaches vLLM as a
+finished receive (decode, or recompute with the blocks reported bad), and D reuses
+destination blocks only when no WRITE can still land (P's rejection, or the quarantine
+after a timeout/abort).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvferry.connectors.config import ConnectorConfig
+from kvferry.connectors.protocol import messages, timeline
+from kvferry.connectors.protocol.params import mac
+from kvferry.connectors.protocol.push_receive import (
+    Cause,
+    PushReceiver,
+    RecvAction,
+    RecvFailed,
+    RecvReady,
+    ReleaseDest,
+)
+from kvferry.connectors.protocol.step import RegisterTask, StepMeta
+from kvferry.connectors.transfer.rank_io import RankIO, RankPart
+
+log = logging.getLogger("vllm." + __name__)
+
+TICK_S = 0.05  # time out waiting transfers at most this often
+
+
+@dataclass
+class _DReq:
+    """D: one registered transfer."""
+
+    req_id: str
+    block_ids: list[int]
+    host: str
+    port: int
+    ready: bool = False
+    registered_at: float = 0.0  # monotonic
+    p_ranks: list[int] = field(default_factory=list)  # P ranks we registered with
+
+
+class PushRecv(RankPart):
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, io: RankIO) -> None:
+        super().__init__(io)
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.receiver = PushReceiver(recv_timeout=cfg.push_recv_timeout_s,
+                                     quarantine=cfg.push_quarantine_s)
+        self._d: dict[str, _DReq] = {}
+        self._last_tick = 0.0
+
+    def awaiting(self) -> bool:
+        """A Wrote notification is expected."""
+        return bool(self._d)
+
+    @property
+    def num_tracked(self) -> int:
+        """Registered transfers not yet settled."""
+        return len(self._d)
+
+    # -- from the engine's step metadata -------------------------------------------------
+    def accept(self, meta: StepMeta, now: float) -> None:
+        for task in meta.register:
+            self._register(task, now)
+        for tid in meta.push_abort_d:
+            d = self._d.get(tid)
+            self._apply(self.receiver.abort(tid, now))
+            if d is not None:
+                self._tell_p(d, messages.Abort(tid))
+            # else: never registered (nothing allocated or still unknown to P): P's hold
+            # timeout frees its blocks; nothing to wait for here.
+
+    def _register(self, task: RegisterTask, now: float) -> None:
+        layout = self.transport.layout
+        if task.transfer_id in self._d:
+            # Another live request of ours already waits on this transfer id (a replayed
+            # request): P will write only the first one's blocks. Recompute at once.
+            log.warning("request %s: transfer id %s is already in use here; recomputing",
+                        task.req_id, task.transfer_id)
+            self.stats.event("recomputes", task.req_id, "transfer id in use here")
+            self.out.report(recvd={task.req_id}, bad_blocks=task.block_ids)
+            return
+        d = self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port,
+                                              registered_at=now)
+        reg = messages.Register(
+            transfer_id=task.transfer_id, engine_id=self.engine_id,
+            host=self.cfg.side_channel_host, port=self.cfg.side_channel_port, rank=self.ranks.rank,
+            block_ids=task.block_ids, block_size=layout.block_size, num_blocks=layout.num_blocks,
+            first_token=task.first_token, num_tokens=task.num_tokens, prompt_hash=task.prompt_hash,
+            tp_size=self.ranks.tp_size)
+        reg.sig = mac(reg)
+        try:
+            expect, d.p_ranks, idle = self.ranks.push_targets(self.peers.tp(task.host, task.port))
+        except Exception as e:  # P unreachable or an impossible split: no WRITE can land
+            expect, idle, failure = {self.ranks.rank}, [], e
+        else:
+            failure = None
+        self._apply(self.receiver.expect(task.transfer_id, task.req_id, expect, now))
+        sent: list[int] = []
+        try:
+            if failure is not None:
+                raise failure
+            for p in d.p_ranks:
+                _, peer = self.peers.at(task.host, task.port, rank=p)
+                self.transport.notify(peer, messages.encode(reg))
+                sent.append(p)
+        except Exception as e:
+            log.warning("request %s: push registration with %s:%d failed (%s); recomputing",
+                        task.req_id, task.host, task.port, e)
+            for p in set(d.p_ranks or [0]) - set(sent):
+                self.peers.drop(task.host, task.port, rank=p)
+            if not sent:  # P never saw us, so no WRITE can land
+                self._apply(self.receiver.rejected(task.transfer_id, f"registration failed: {e}",
+                                                   now))
+            else:  # some P ranks may write: wait them out, and ask them not to
+                d.p_ranks = sent
+                self._apply(self.receiver.failed(task.transfer_id, f"registration failed: {e}",
+                                                 now))
+            return
+        for p in idle:  # a replica nobody reads: its blocks may go now
+            self.peers.tell_rank(task.host, task.port, p, messages.Abort(task.transfer_id))
+        timeline.mark(log, task.transfer_id, "registered")
+        log.debug("push %s: registered %d blocks with %s:%d", task.transfer_id,
+                  len(task.block_ids), task.host, task.port)
+
+    def _tell_p(self, d: _DReq, msg: messages.Message) -> None:
+        """Every P rank we registered with (none: another of our ranks did)."""
+        for p in d.p_ranks:
+            self.peers.tell_rank(d.host, d.port, p, msg)
+
+    def _apply(self, actions: list[RecvAction]) -> None:
+        for a in actions:
+            d = self._d.get(a.transfer_id)
+            if isinstance(a, RecvReady):
+                ok = True
+                if d is not None:
+                    timeline.mark(log, a.transfer_id, "kv_in")
+                    d.ready = True
+                    del self._d[a.transfer_id]
+                    log.info("push %s: KV in, %.1f ms after registering", a.transfer_id,
+                             (time.monotonic() - d.registered_at) * 1e3)
+                    self.stats.event("push_received", a.transfer_id)
+                    ok = self.mirror.stage_in(a.req_id, d.block_ids)  # host staging: mirror -> device
+                self.out.report(recvd={a.req_id}, bad_blocks=() if ok else d.block_ids)
+            elif isinstance(a, RecvFailed):
+                log.warning("push %s (request %s): %s; recomputing once no WRITE can land",
+                            a.transfer_id, a.req_id, a.reason)
+                self.stats.event("push_failed", a.transfer_id, a.reason)
+                self.stats.event("recomputes", a.req_id, "push failed")
+                # P's own Reject needs no Abort back, unless other P ranks may still write
+                if d is not None and (a.cause is not Cause.REJECTED or len(d.p_ranks) > 1):
+                    self._tell_p(d, messages.Abort(a.transfer_id))
+            elif isinstance(a, ReleaseDest):
+                self._d.pop(a.transfer_id, None)
+                self.out.report(recvd={a.req_id}, bad_blocks=d.block_ids if d else ())
+
+    # -- from P ---------------------------------------------------------------------------
+    def on_message(self, msg: messages.Wrote | messages.Rejected, now: float) -> None:
+        if isinstance(msg, messages.Wrote):
+            self._apply(self.receiver.notified(msg.transfer_id, msg.rank))
+        else:
+            self._apply(self.receiver.rejected(msg.transfer_id, msg.reason, now,
+                                               msg.rank if msg.rank >= 0 else None))
+
+    def progress(self, now: float) -> None:
+        if now - self._last_tick >= TICK_S:
+            self._last_tick = now
+            self._apply(self.receiver.tick(now))

@@ -1,0 +1,156 @@
+"""The READs this rank posts: D pulling a prefill from P, and P reusing D's leased KV.
+
+Each READ ends as finished-receiving; a failed or timed-out READ also reports its local
+block ids as load errors, so vLLM recomputes (or fails, per policy). A pull READ ends by
+telling every P rank of `Ranks.release_plan` that its blocks may go.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvferry.connectors.protocol import messages
+from kvferry.connectors.protocol.step import RecvTask, ReuseRead
+from kvferry.connectors.transfer.rank_io import RankIO, RankPart
+from kvferry.connectors.transfer.transport import Peer, Transfer, XferState
+
+log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+
+@dataclass
+class _Read:
+    task: RecvTask | ReuseRead
+    xfers: list[Transfer]  # one per source rank segment when its TP size differs from ours
+    deadline: float
+    started: float
+    engine_id: str  # the source engine and its TP size: every rank is dropped on failure
+    engine_tp: int
+    strict: bool = False  # a READ that ends after its deadline counts as failed
+    notices: list[tuple[Peer, bytes]] = field(default_factory=list)  # sent once all are done
+
+
+class Reads(RankPart):
+    def __init__(self, io: RankIO, recv_timeout_s: float) -> None:
+        super().__init__(io)
+        self.recv_timeout_s = recv_timeout_s
+        self._reads: dict[str, _Read] = {}
+
+    def busy(self) -> bool:
+        return bool(self._reads)
+
+    def start_pull(self, task: RecvTask, now: float) -> None:
+        """D: READ our heads of the offered blocks (`Ranks.read_plan`), then tell every P
+        rank of `Ranks.release_plan` that we are done. A single READ from the only rank to
+        tell carries the notice itself (NIXL sends it after the data)."""
+        o = task.offer
+        xfers: list[Transfer] = []
+        msgs: list[tuple[Peer, bytes]] = []
+        try:
+            notices = self.ranks.release_plan(o.remote_tp_size)
+            pieces = [] if task.release_only else self.ranks.read_plan(o.remote_tp_size, "prefill")
+            peers = {p: self.peers.at(o.remote_host, o.remote_port, o.remote_engine_id, p)[1]
+                     for p in {*notices, *(r for r, _ in pieces)}}
+            msgs = [(peers[p], messages.encode(messages.Done(o.remote_request_id, n)))
+                    for p, n in notices.items()]
+            if task.release_only:
+                for peer, m in msgs:
+                    self.transport.notify(peer, m)
+                return
+            budget = self._read_budget(task)
+            attach = len(pieces) == 1 and list(notices) == [pieces[0][0]]
+            for r, segs in pieces:
+                xfers.append(self.transport.start("READ", peers[r], task.local_block_ids,
+                                                  task.remote_block_ids,
+                                                  msgs[0][1] if attach else b"",
+                                                  seg=None if segs is None else (segs, False)))
+        except Exception as e:  # any failure of one request must end in a recompute, not a hang
+            for x in xfers:
+                self.transport.release(x)
+            if task.release_only:
+                log.warning("could not tell %s to free %s: %s", o.remote_engine_id,
+                            o.remote_request_id, e)
+                return
+            log.warning("request %s: READ from %s (TP %d -> %d) failed (%s); recomputing",
+                        task.req_id, o.remote_engine_id, o.remote_tp_size, self.ranks.tp_size, e)
+            self.stats.event("reads_failed", task.req_id, f"not started: {e}")
+            self.stats.event("recomputes", task.req_id, "READ not started")
+            if not isinstance(e, ValueError | IndexError):
+                self.peers.drop_engine(o.remote_engine_id, o.remote_tp_size)  # P may restart
+            else:  # bad ids or an impossible split, good peers: let P free now
+                for peer, m in msgs:
+                    self.peers.send(peer, m)
+            self.out.report(recvd={task.req_id}, bad_blocks=task.local_block_ids)
+            return
+        self._reads[task.req_id] = _Read(task, xfers, now + budget, now, o.remote_engine_id,
+                                         o.remote_tp_size, strict=bool(o.expiry),
+                                         notices=[] if attach else msgs)
+
+    def _read_budget(self, task: RecvTask) -> float:
+        budget = self.recv_timeout_s
+        if task.offer.expiry:
+            budget = min(budget, task.offer.expiry - time.time())
+            if budget <= 0:
+                raise ValueError("offer expired: P may have freed those blocks")
+        return budget
+
+    def start_reuse(self, rr: ReuseRead, now: float) -> None:
+        """P: READ D's leased blocks (from each D rank holding some of our heads when D
+        has another TP size); any failure means recompute, never a wrong answer."""
+        xfers: list[Transfer] = []
+        try:
+            pieces = self.ranks.read_plan(rr.tp_size, "decode")
+            peers = {r: self.peers.of_instance(rr.host, rr.port, rr.engine_id, r, rr.instance)
+                     for r in {r for r, _ in pieces}}
+            budget = rr.deadline - time.time()
+            if budget <= 0:
+                raise TimeoutError("lease read deadline already passed")
+            for r, segs in pieces:
+                xfers.append(self.transport.start("READ", peers[r], rr.local_block_ids,
+                                                  rr.remote_block_ids,
+                                                  seg=None if segs is None else (segs, False)))
+        except Exception as e:
+            for x in xfers:
+                self.transport.release(x)
+            log.warning("request %s: reuse READ from %s not started (%s); recomputing",
+                        rr.req_id, rr.engine_id, e)
+            self.stats.event("reuse_reads_failed", rr.req_id, f"not started: {e}")
+            self.stats.event("recomputes", rr.req_id, "reuse READ not started")
+            if not isinstance(e, ValueError | IndexError | TimeoutError):
+                self.peers.drop_engine(rr.engine_id, rr.tp_size)
+            self.out.report(recvd={rr.req_id}, bad_blocks=rr.local_block_ids)
+            return
+        self._reads[rr.req_id] = _Read(rr, xfers, now + budget, now, rr.engine_id, rr.tp_size,
+                                       strict=True)
+
+    def progress(self, now: float) -> None:
+        """Poll every READ in flight; report each one that ended or ran past its deadline."""
+        for req_id, rd in list(self._reads.items()):
+            state = self.transport.poll_all(rd.xfers)
+            if state == XferState.PROC and now < rd.deadline:
+                continue
+            del self._reads[req_id]
+            if state == XferState.DONE and not (rd.strict and now > rd.deadline):
+                log.info("kvferry %s %s: %d blocks, %d B in %d descriptors, %.1f ms",
+                         "reuse READ" if isinstance(rd.task, ReuseRead) else "READ", req_id,
+                         len(rd.task.local_block_ids), sum(x.nbytes for x in rd.xfers),
+                         sum(x.ndesc for x in rd.xfers), (now - rd.started) * 1e3)
+                reuse = isinstance(rd.task, ReuseRead)
+                self.stats.event("reuse_reads_done" if reuse else "reads_done", req_id)
+                self.stats.add("bytes_read", sum(x.nbytes for x in rd.xfers))
+                for peer, msg in rd.notices:
+                    self.peers.send(peer, msg)
+                ok = self.mirror.stage_in(req_id, rd.task.local_block_ids)
+                self.out.report(recvd={req_id}, bad_blocks=() if ok else rd.task.local_block_ids)
+            else:
+                log.warning("request %s: READ %s; recomputing", req_id,
+                            "failed" if state == XferState.ERR else "timed out")
+                self.stats.event("reuse_reads_failed" if isinstance(rd.task, ReuseRead)
+                                 else "reads_failed", req_id,
+                                 "failed" if state == XferState.ERR else "timed out")
+                self.stats.event("recomputes", req_id, "READ did not complete")
+                for x in rd.xfers:
+                    self.transport.release(x)
+                self.peers.drop_engine(rd.engine_id, rd.engine_tp)
+                self.out.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)
