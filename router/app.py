@@ -29,10 +29,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvferry.connectors.protocol.params import SECRET_ENV, secret
 
 from . import bodies
+from .context import FlowContext, forward_headers
 from .conversations import Conversations, LeaseUnavailable
 from .errors import RouterError, error_body, from_status, from_transport
 from .fleet import Fleet
-from .flow import FlowContext, forward_headers, run_request
+from .flow import run_request
 from .metrics import RouterMetrics
 from .settings import MODES, Mode, RouterSettings
 from .upstreams import UpstreamPool

@@ -1,0 +1,66 @@
+"""A conversation turn inside one request: what P reported reusing of D's KV, and what
+D's answer commits to the conversation state (see `conversations.py`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .context import FlowContext
+from .conversations import Turn
+from .decode import DecodeHooks
+from .upstreams import Upstream
+
+REUSE_REPORT = ("reused_tokens", "reuse_reason")
+
+
+def reuse_report(ctx: FlowContext, turn: Turn | None, kv_params: dict[str, Any]
+                 ) -> tuple[int, str] | None:
+    """Pop P's report on D->P reuse from its params; count it. (Reused tokens, why: "ok",
+    or e.g. "local_hit_covers" when P's own prefix cache already held the history), or
+    None when there was no history to reuse."""
+    report = {k: kv_params.pop(k) for k in REUSE_REPORT if k in kv_params}
+    if turn is None or turn.entry is None or not report:
+        return None
+    n = report.get("reused_tokens")
+    n = n if isinstance(n, int) and n >= 0 else 0
+    reason = str(report.get("reuse_reason", "unknown"))[:64]
+    ctx.metrics.reuse_turns.labels(reason=reason).inc()
+    ctx.metrics.reused_tokens.inc(n)
+    return n, reason
+
+
+def commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: DecodeHooks
+                 ) -> DecodeHooks:
+    """Record the turn's lease once D answered well (JSON: from its body; SSE: afterwards)."""
+    conv = ctx.conversations
+    if turn is None or conv is None:
+        return hooks
+
+    async def on_json(params: dict[str, Any] | None) -> None:
+        if not conv.commit_offer(turn, d.url, (params or {}).get("lease")):
+            conv.commit_later(turn, d.url)  # e.g. an engine that keeps params to itself
+        await conv.settled(turn)  # recorded (shared state too) before the client has it
+
+    streamed: dict[str, Any] = {}
+
+    def on_stream_params(params: dict[str, Any]) -> None:
+        streamed.update(params)
+
+    committed: list[bool] = []
+
+    def on_stream_end() -> None:
+        # Once, at D's `[DONE]` (before the client has it, so that its next turn, sent the
+        # moment the stream ends, finds the commit under way), else at a clean end. vLLM
+        # 0.33 streams D's params on the last chunk; older versions do not, so the offer is
+        # then fetched over the lease-control channel (D granted it when the request ended).
+        if committed:
+            return
+        committed.append(True)
+        if not (streamed and conv.commit_offer(turn, d.url, streamed.get("lease"))):
+            conv.commit_later(turn, d.url)
+
+    hooks.on_d_params = on_json
+    hooks.on_stream_params = on_stream_params
+    hooks.on_stream_done = on_stream_end
+    hooks.on_success = on_stream_end
+    return hooks
