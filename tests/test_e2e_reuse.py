@@ -119,7 +119,7 @@ def test_turns_reuse_decode_kv(stack):
     assert stack.prefill.transferred_tokens() - p_ext == total
     assert stack.prefill.log_count(r"kvferry reuse READ ") >= 2
     r = httpx.get(stack.router + "/v1/kvferry/conversations/conv-pull", timeout=10).json()
-    assert r["num_tokens"] % BS == 0 and r["num_tokens"] >= len(hist[-1][0]) // BS * BS
+    assert r["cached_tokens"] % BS == 0 and r["cached_tokens"] >= len(hist[-1][0]) // BS * BS
 
 
 def test_edited_history_reuses_only_the_matching_prefix(stack):
