@@ -17,7 +17,8 @@ from . import bodies
 from .answers import finish_json, kv_params_of
 from .context import TIMELINE, FlowContext, json_headers, passive
 from .errors import RouterError, from_status, from_transport
-from .sse import ChainedFilter, ChunkFilter, EngineFieldFilter, UpstreamStream
+from .migrate import Migration
+from .sse import ChunkFilter, EngineFieldFilter, Leg, UpstreamStream
 from .upstreams import Upstream
 from .wire import HDR_DECODE, HDR_TRANSFER
 
@@ -39,6 +40,8 @@ class DecodeHooks:
     on_d_params: Callable[[dict[str, Any] | None], Awaitable[None]] | None = None
     on_stream_params: Callable[[dict[str, Any]], None] | None = None  # D's streamed params
     on_stream_done: Callable[[], None] | None = None  # D's `[DONE]` is about to be forwarded
+    migration: Migration | None = None  # continues a stream whose D broke
+    on_moved: Callable[[Upstream], None] | None = None  # the stream continues on this D
 
 
 async def send_decode(
@@ -56,6 +59,8 @@ async def send_decode(
     """Send the decode leg and hand its answer to the client (stream or JSON)."""
     hooks = hooks or DecodeHooks()
     d = d or ctx.decode.choose()
+    if stream and hooks.migration is not None:
+        body = hooks.migration.decode_body(body)
     resp_headers = {**resp_headers, HDR_DECODE: d.url}
     ctx.decode.acquire(d)
     handed_off = False
@@ -112,7 +117,10 @@ def _stream(
     resp_headers: dict[str, str],
     hooks: DecodeHooks,
 ) -> UpstreamStream:
-    """Wrap D's open SSE response; the D lease ends when the stream closes."""
+    """Wrap D's open SSE response as the client's stream: engine-owned fields removed
+    from every event, then the hook's own rewriting (push's report event); a break
+    continues on another pair when `hooks.migration` can. D is released when its leg
+    closes."""
 
     def first_chunk() -> None:
         timeline.mark(TIMELINE, resp_headers.get(HDR_TRANSFER, ""), "d_first_byte")
@@ -123,22 +131,22 @@ def _stream(
     def on_error(err: RouterError) -> None:
         ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
 
+    mig = hooks.migration
+    if mig is None:
+        scrub = EngineFieldFilter(hooks.on_stream_params, hooks.on_stream_done)
+        first = Leg(resp, d.url, scrub, on_close=lambda: ctx.decode.release(d))
+    else:
+        mig.on_stream_params, mig.on_stream_done = hooks.on_stream_params, hooks.on_stream_done
+        mig.on_moved = hooks.on_moved
+        first = mig.leg(resp, d)
     return UpstreamStream(
-        resp,
+        first,
         leg="decode",
-        url=d.url,
         headers=resp_headers,
         on_first_chunk=first_chunk,
-        on_close=lambda: ctx.decode.release(d),
         on_error=on_error,
         on_abort=hooks.on_abort,
-        chunk_filter=_client_filter(hooks),
+        chunk_filter=hooks.chunk_filter,
         on_success=hooks.on_success,
+        resume=mig.resume if mig is not None else None,
     )
-
-
-def _client_filter(hooks: DecodeHooks) -> ChunkFilter:
-    """What every D stream passes through on its way to the client: engine-owned fields
-    removed first (always), then the hook's own rewriting (push's report event)."""
-    scrub = EngineFieldFilter(hooks.on_stream_params, hooks.on_stream_done)
-    return scrub if hooks.chunk_filter is None else ChainedFilter(scrub, hooks.chunk_filter)

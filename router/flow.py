@@ -20,6 +20,7 @@ How a request flows (pull):
    `sse.EngineFieldFilter`).
 
 Push (header `x-kvferry-mode: push` or body `kvferry_mode: "push"`): `push.py`.
+A stream whose D breaks mid-way continues on another pair (`migrate.py`).
 Conversations (`turns.py`): P is offered the previous turn's KV on D, and D's answer
 commits this turn's lease.
 
@@ -43,6 +44,7 @@ from . import bodies
 from .answers import ms_str, passthrough
 from .context import FlowContext, forward_headers
 from .decode import DecodeHooks, send_decode
+from .migrate import Migration
 from .prefill import build_legs, prefill_with_retry
 from .push import run_push
 from .settings import Mode
@@ -76,9 +78,10 @@ async def run_request(
     clean = bodies.sanitize(body)
     stream = bodies.wants_stream(clean)
     headers = forward_headers(client_headers, transfer_id)
+    migration = Migration(ctx, endpoint, path, clean, headers, turn) if stream else None
     if mode == "push":
         return await run_push(ctx, endpoint, path, clean, transfer_id, headers, stream,
-                              started, turn)
+                              started, turn, migration=migration)
 
     legs = build_legs(mode, endpoint, clean, transfer_id,
                       p_extra=turn.prefill_params() if turn else None)
@@ -108,4 +111,5 @@ async def run_request(
     d_body = bodies.decode_body(clean, kv_params)
     d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
     return await send_decode(ctx, endpoint, path, d_body, headers, stream, started,
-                             resp_headers, d, commit_hooks(ctx, turn, d, DecodeHooks()))
+                             resp_headers, d,
+                             commit_hooks(ctx, turn, d, DecodeHooks(migration=migration)))

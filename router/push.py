@@ -27,6 +27,7 @@ from .context import TIMELINE, FlowContext
 from .conversations import Turn
 from .decode import DecodeHooks, send_decode
 from .errors import RouterError
+from .migrate import Migration
 from .prefill import build_legs, post_prefill, retry_target
 from .sse import InsertBeforeDone, UpstreamStream
 from .turns import commit_hooks, reuse_report
@@ -75,6 +76,7 @@ async def run_push(
     started: float,
     turn: Turn | None = None,
     exclude: frozenset[str] = frozenset(),
+    migration: Migration | None = None,
 ) -> Response:
     """Push: choose D, then P; send both legs at once; D's answer is the client's.
 
@@ -133,7 +135,7 @@ async def run_push(
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
     hooks = commit_hooks(ctx, turn, d, DecodeHooks(
         json_fields=leg.json_fields, chunk_filter=InsertBeforeDone(leg.sse_event),
-        on_abort=leg.cancel))
+        on_abort=leg.cancel, migration=migration))
     d_leg = asyncio.create_task(send_decode(ctx, endpoint, path, legs.decode_body, headers,
                                             stream, started, resp_headers, d, hooks))
     try:
@@ -146,7 +148,7 @@ async def run_push(
                 retry_id = uuid.uuid4().hex  # a fresh transfer: D's old one is cancelled
                 return await run_push(ctx, endpoint, path, clean, retry_id,
                                       {**headers, "x-request-id": retry_id}, stream, started,
-                                      turn, exclude | {p.url})
+                                      turn, exclude | {p.url}, migration)
         resp = await d_leg
     except BaseException:
         d_leg.cancel()

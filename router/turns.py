@@ -31,14 +31,16 @@ def reuse_report(ctx: FlowContext, turn: Turn | None, kv_params: dict[str, Any]
 
 def commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: DecodeHooks
                  ) -> DecodeHooks:
-    """Record the turn's lease once D answered well (JSON: from its body; SSE: afterwards)."""
+    """Record the turn's lease once D answered well (JSON: from its body; SSE: afterwards),
+    on the D that finished the stream (another one when it migrated)."""
     conv = ctx.conversations
     if turn is None or conv is None:
         return hooks
+    at = [d.url]
 
     async def on_json(params: dict[str, Any] | None) -> None:
-        if not conv.commit_offer(turn, d.url, (params or {}).get("lease")):
-            conv.commit_later(turn, d.url)  # e.g. an engine that keeps params to itself
+        if not conv.commit_offer(turn, at[0], (params or {}).get("lease")):
+            conv.commit_later(turn, at[0])  # e.g. an engine that keeps params to itself
         await conv.settled(turn)  # recorded (shared state too) before the client has it
 
     streamed: dict[str, Any] = {}
@@ -56,11 +58,16 @@ def commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decode
         if committed:
             return
         committed.append(True)
-        if not (streamed and conv.commit_offer(turn, d.url, streamed.get("lease"))):
-            conv.commit_later(turn, d.url)
+        if not (streamed and conv.commit_offer(turn, at[0], streamed.get("lease"))):
+            conv.commit_later(turn, at[0])
+
+    def on_moved(up: Upstream) -> None:
+        at[0] = up.url
+        streamed.clear()
 
     hooks.on_d_params = on_json
     hooks.on_stream_params = on_stream_params
     hooks.on_stream_done = on_stream_end
     hooks.on_success = on_stream_end
+    hooks.on_moved = on_moved
     return hooks
