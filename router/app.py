@@ -42,6 +42,11 @@ from .wire import HDR_DECODE
 
 log = logging.getLogger(__name__)
 
+UPSTREAM_KEEPALIVE_S = 2.0
+"""Idle engine connections are dropped after this, well before the engines' own idle
+close (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; httpx also defaults to 5 s): a request
+sent on a connection the engine is closing at that moment fails on the wire."""
+
 
 def _bad_request(message: str) -> JSONResponse:
     return JSONResponse(error_body(message, 400, "invalid_request_error"), status_code=400)
@@ -83,6 +88,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
         limits = httpx.Limits(
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_connections,
+            keepalive_expiry=UPSTREAM_KEEPALIVE_S,
         )
         # trust_env=False: proxy variables must never divert engine traffic.
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
