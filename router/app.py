@@ -42,9 +42,9 @@ from .wire import HDR_DECODE
 
 log = logging.getLogger(__name__)
 
-UPSTREAM_KEEPALIVE_S = 2.0
-"""Idle engine connections are dropped after this, well before the engines' own idle
-close (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; httpx also defaults to 5 s): a request
+UPSTREAM_KEEPALIVE_S = 4.0
+"""Idle engine connections are dropped after this, a second before the engines' own idle
+close (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; httpx defaults to 5 s too): a request
 sent on a connection the engine is closing at that moment fails on the wire."""
 
 
