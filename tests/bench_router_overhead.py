@@ -143,10 +143,11 @@ async def _rounds(direct: str, replicas: dict[str, list[str]], pids: dict[str, l
     """Per round and setting: `concurrency` requests through the setting's replicas (in
     turn) and as many straight to D, all at once, so both see the same load; and the CPU
     time the setting's replicas spent on the round."""
-    # Idle connections expire before the servers' 5 s idle close (uvicorn's default):
-    # else a request now and then goes out on a connection the server is closing.
-    limits = httpx.Limits(max_connections=8 * concurrency,
-                          max_keepalive_connections=8 * concurrency, keepalive_expiry=4.0)
+    # A fresh connection per request: on a starved host a server's 5 s idle close can
+    # act on a kept-alive connection whose next request it has not read yet (seen with a
+    # 4 s client expiry: 2 ReadErrors in 4000 requests at load 46), and httpx does not
+    # retry. Every path pays the same connection set-up.
+    limits = httpx.Limits(max_connections=8 * concurrency, max_keepalive_connections=0)
     got: dict[str, dict[str, Any]] = {name: {"router": [], "direct": [], "cpu_s": 0.0}
                                       for name in replicas}
     async with httpx.AsyncClient(limits=limits, timeout=120, trust_env=False) as client:
