@@ -29,16 +29,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvferry.connectors.protocol.params import SECRET_ENV, secret
 
 from . import bodies
+from .context import FlowContext, forward_headers
 from .conversations import Conversations, LeaseUnavailable
 from .errors import RouterError, error_body, from_status, from_transport
 from .fleet import Fleet
-from .flow import FlowContext, forward_headers, run_request
+from .flow import run_request
 from .metrics import RouterMetrics
+from .registry import ConversationEntry
 from .settings import MODES, Mode, RouterSettings
 from .upstreams import UpstreamPool
 from .wire import HDR_DECODE
 
 log = logging.getLogger(__name__)
+
+UPSTREAM_KEEPALIVE_S = 4.0
+"""Idle engine connections are dropped after this, a second before the engines' own idle
+close (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; httpx defaults to 5 s too): a request
+sent on a connection the engine is closing at that moment fails on the wire."""
 
 
 def _bad_request(message: str) -> JSONResponse:
@@ -81,6 +88,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
         limits = httpx.Limits(
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_connections,
+            keepalive_expiry=UPSTREAM_KEEPALIVE_S,
         )
         # trust_env=False: proxy variables must never divert engine traffic.
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
@@ -202,12 +210,12 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
 
     @app.get("/v1/kvferry/conversations/{conversation_id}")
     async def conversation(conversation_id: str, request: Request) -> JSONResponse:
-        """Where the conversation's KV is leased (this API key's conversations only)."""
+        """This API key's conversation: how many of its tokens are cached, until when."""
         _, entry = await conversations.find(conversation_id, request.headers)
         if entry is None:
             return JSONResponse(error_body("no live lease for this conversation", 404,
                                            "not_found_error"), status_code=404)
-        return JSONResponse(_entry_json(entry))
+        return JSONResponse(client_view(conversation_id, entry))
 
     @app.post("/v1/kvferry/conversations/{conversation_id}/heartbeat")
     async def heartbeat(conversation_id: str, request: Request, ttl: float | None = None
@@ -221,7 +229,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
         if entry is None:
             return JSONResponse(error_body("no live lease for this conversation", 404,
                                            "not_found_error"), status_code=404)
-        return JSONResponse(_entry_json(entry))
+        return JSONResponse(client_view(conversation_id, entry))
 
     @app.delete("/v1/kvferry/conversations/{conversation_id}")
     async def end_conversation(conversation_id: str, request: Request) -> JSONResponse:
@@ -236,9 +244,18 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     return app
 
 
-def _entry_json(entry: Any) -> dict[str, Any]:
-    return {"decode": entry.decode_url, "engine_id": entry.engine_id, "lease_id": entry.lease_id,
-            "expiry": entry.expiry, "num_tokens": entry.num_tokens}
+CLIENT_FIELDS = ("conversation_id", "cached_tokens", "expires_at")
+"""All a tenant learns of its conversation. Where the KV lives (D's URL, engine id, lease
+id, block ids, side-channel address) is the deployment's business: with a lease id a
+client could renew or release leases on D's control channel if it ever reached it, and
+engine addresses map the cluster for it."""
+
+
+def client_view(conversation_id: str, entry: ConversationEntry) -> dict[str, Any]:
+    """The conversation as its tenant sees it: tokens whose KV is held (the next turn may
+    reuse up to that many), and when the hold ends (unix seconds) unless renewed."""
+    return dict(zip(CLIENT_FIELDS, (conversation_id, entry.num_tokens, entry.expiry),
+                    strict=True))
 
 
 async def _every(period_s: float, fn: Callable[[], Awaitable[None]]) -> None:

@@ -121,6 +121,19 @@ class RouterMetrics:
             ["leg", "mode"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "kvferry_router_migrations",
+            "Streams whose decode engine broke mid-stream, by outcome: ok (continued on "
+            "another pair), finished (D had sent everything; the router ended the stream), "
+            "unsupported (the request cannot move), no_engine (no pair left to take it).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.migrated_tokens = Counter(
+            "kvferry_router_migrated_tokens",
+            "Tokens already sent to clients that migrations prefilled again on another pair.",
+            registry=self.registry,
+        )
         self.discovery_changes = Counter(
             "kvferry_router_discovery_changes",
             "Engines added or removed by discovery.",

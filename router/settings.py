@@ -88,6 +88,9 @@ class RouterSettings(BaseModel):
                                      "engine (0: no probes, passive failure counts only).")
     eject_after: int = Field(3, gt=0, description="Consecutive failures (probes or requests) "
                              "that take an engine out of rotation until it answers /health.")
+    max_migrations: int = Field(2, ge=0, description="Engine pairs one stream may try after "
+                                "its decode engine broke mid-stream (0: a broken stream ends "
+                                "with an SSE error event).")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight "
                                    "requests may take to finish before the router exits.")
     _discovered: dict[str, EngineInfo] = PrivateAttr(default_factory=dict)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
@@ -169,42 +170,64 @@ class ChainedFilter:
         return out
 
 
-class UpstreamStream(Response):
-    """Streams `upstream`'s body; calls `on_first_chunk` once and `on_close` exactly once.
+@dataclass
+class Leg:
+    """One upstream answer serving a client stream (its first, or a continuation)."""
 
-    `on_abort` is also called (before `on_close`) when the stream did not end cleanly:
-    the client went away or the upstream broke; `on_success` when it did end cleanly.
-    `chunk_filter` may rewrite the bytes.
+    response: httpx.Response
+    url: str
+    filter: ChunkFilter | None = None
+    """This answer's own rewriting; what it holds back when the answer breaks (an
+    incomplete event) is dropped."""
+    on_close: Callable[[], None] | None = None
+    """Called once when this answer is closed (releases its engine)."""
+    broken: Callable[[], str | None] | None = None
+    """After a clean end: why the answer is incomplete all the same (an in-band error
+    event, no [DONE]), or None. Only set where another engine could take over."""
+    closed: bool = False
+
+
+Resume = Callable[[str, RouterError], Awaitable["Leg | bytes | RouterError"]]
+"""Called with a broken leg's URL and what broke: the next leg, the stream's last bytes,
+or the error to end the stream with."""
+
+
+class UpstreamStream(Response):
+    """Streams an upstream's body to the client, leg after leg when `resume` continues a
+    broken one elsewhere; each leg is closed (its `on_close` called) exactly once.
+
+    `on_first_chunk` is called once; `on_abort` (before the last close) when the stream
+    did not end cleanly: the client went away, or a leg broke and no other took over;
+    `on_success` when it did end cleanly. `chunk_filter` rewrites the client's bytes
+    across legs.
     """
 
     def __init__(
         self,
-        upstream: httpx.Response,
+        first: Leg,
         *,
         leg: str,
-        url: str,
         headers: Mapping[str, str],
         on_first_chunk: Callable[[], None],
-        on_close: Callable[[], None],
         on_error: Callable[[RouterError], None] | None = None,
         on_abort: Callable[[], None] | None = None,
         chunk_filter: ChunkFilter | None = None,
         on_success: Callable[[], None] | None = None,
+        resume: Resume | None = None,
     ) -> None:
-        self.upstream = upstream
+        self.current = first
         self.leg = leg
-        self.url = url
-        self.status_code = upstream.status_code
-        self.media_type = upstream.headers.get("content-type", "text/event-stream")
+        self.status_code = first.response.status_code
+        self.media_type = first.response.headers.get("content-type", "text/event-stream")
         self.background = None
         merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **dict(headers)}
         self.init_headers(merged)
-        self._on_first_chunk = on_first_chunk
-        self._on_close = on_close
+        self._on_first_chunk: Callable[[], None] | None = on_first_chunk
         self._on_error = on_error
         self._on_abort = on_abort
         self._filter = chunk_filter
         self._on_success = on_success
+        self._resume = resume
         self._sent_all = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -217,52 +240,85 @@ class UpstreamStream(Response):
                         pass
                     if not self._sent_all:  # the server reports one after every response
                         log.info("client disconnected; closing %s stream from %s",
-                                 self.leg, self.url)
+                                 self.leg, self.current.url)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
                 clean = await self._pump(send)
                 tg.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
-            try:
-                if not clean and self._on_abort is not None:
-                    self._on_abort()
-                if clean and self._on_success is not None:
-                    self._on_success()
-            finally:
-                self._on_close()
+            await _close(self.current)
+            if not clean and self._on_abort is not None:
+                self._on_abort()
+            if clean and self._on_success is not None:
+                self._on_success()
 
     async def _pump(self, send: Send) -> bool:
-        """Send the upstream body; True when the upstream ended without an error."""
+        """Send the legs' bodies; True when the stream ended without an error."""
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        first = True
-        clean = True
-        try:
-            async for chunk in self.upstream.aiter_bytes():
-                if not chunk:
-                    continue
-                if first:
-                    first = False
-                    self._on_first_chunk()
-                if self._filter is not None:
-                    chunk = self._filter.feed(chunk)
-                    if not chunk:
-                        continue
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if self._filter is not None and (tail := self._filter.flush()):
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
-        except httpx.HTTPError as exc:
-            clean = False
-            err = from_transport(exc, self.leg, self.url)
-            log.warning("%s stream broke: %s", self.leg, err.message)
+        while (err := await self._relay(self.current, send)) is not None:
+            broken = self.current
+            await _close(broken)
+            nxt = await self._resume(broken.url, err) if self._resume is not None else err
+            if isinstance(nxt, Leg):
+                self.current = nxt
+                continue
+            if isinstance(nxt, bytes):
+                await self._to_client(send, nxt)
+                break
+            log.warning("%s stream broke: %s", self.leg, nxt.message)
             if self._on_error is not None:
-                self._on_error(err)
-            event = sse_error_event(err.message, err.status, err.err_type)
+                self._on_error(nxt)
+            event = sse_error_event(nxt.message, nxt.status, nxt.err_type)
             await send({"type": "http.response.body", "body": event, "more_body": True})
+            self._sent_all = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return False
+        if self._filter is not None and (tail := self._filter.flush()):
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
         self._sent_all = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return clean
+        return True
+
+    async def _relay(self, leg: Leg, send: Send) -> RouterError | None:
+        """Pass one leg on; None when it ended complete, else what broke it."""
+        try:
+            async for chunk in leg.response.aiter_bytes():
+                if not chunk:
+                    continue
+                if self._on_first_chunk is not None:
+                    first, self._on_first_chunk = self._on_first_chunk, None
+                    first()
+                if leg.filter is not None:
+                    chunk = leg.filter.feed(chunk)
+                await self._to_client(send, chunk)
+            if leg.filter is not None:
+                await self._to_client(send, leg.filter.flush())
+        except httpx.HTTPError as exc:
+            return from_transport(exc, self.leg, leg.url)
+        reason = leg.broken() if leg.broken is not None else None
+        if reason is None:
+            return None
+        return RouterError(502, f"{self.leg} upstream {leg.url} {reason}", "upstream_error",
+                           self.leg, "stream_broken")
+
+    async def _to_client(self, send: Send, chunk: bytes) -> None:
+        if chunk and self._filter is not None:
+            chunk = self._filter.feed(chunk)
+        if chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+async def _close(leg: Leg) -> None:
+    """Close a leg's upstream answer (even while cancelled) and release it, once."""
+    if leg.closed:
+        return
+    leg.closed = True
+    try:
+        with anyio.CancelScope(shield=True):
+            await leg.response.aclose()
+    finally:
+        if leg.on_close is not None:
+            leg.on_close()

@@ -10,7 +10,8 @@ the keys' TTLs and the operator's ``maxmemory`` policy.
 Redis is an optimisation, never a dependency of a request: every call is bounded by
 `timeout_s` and a failure means "no entry" (the turn recomputes). After a failure Redis is
 left alone for `backoff_s` so a dead Redis costs requests nothing; it is then tried again
-and sharing resumes by itself. Failures are counted (``kvferry_router_state_errors``) and
+and sharing resumes by itself (connections kept from before a restart are replaced on the
+first call that meets one). Failures are counted (``kvferry_router_state_errors``) and
 logged at most every `LOG_EVERY_S`.
 """
 
@@ -110,9 +111,11 @@ class RedisState:
                  ) -> None:
         from redis.asyncio import BlockingConnectionPool, Redis
         from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.retry import Retry
 
         self.url = url
+        self.max_connections = max_connections
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
@@ -124,6 +127,7 @@ class RedisState:
             socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.redis = client or Redis(connection_pool=pool)
+        self._connection_error = RedisConnectionError
         self._down_until = 0.0
         self._last_log = 0.0
         self._suppressed = 0
@@ -141,7 +145,14 @@ class RedisState:
             return False, None
         try:
             async with asyncio.timeout(self.timeout_s * 2):
-                result = await fn()
+                try:
+                    result = await fn()
+                except self._connection_error:
+                    # Idle connections from before a Redis restart fail once each ("closed
+                    # by server"): drop them all and try once on a fresh one (a dead Redis
+                    # refuses it at once), so state is back on the first call.
+                    await self.redis.connection_pool.disconnect(inuse_connections=False)
+                    result = await fn()
         except Exception as exc:  # noqa: BLE001 - any failure means "no shared state"
             self._down_until = time.monotonic() + self.backoff_s
             self._set_available(False)

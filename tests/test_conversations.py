@@ -304,3 +304,31 @@ def test_heartbeat_endpoint_answers_200_404_and_503(d):
         r = client.post(url + "/heartbeat", headers=A)
         assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
         assert client.get(url, headers=A).status_code == 200
+
+
+def test_conversation_endpoints_show_no_engine_internals(d):
+    """GET and heartbeat tell the tenant its cached tokens and expiry, nothing of where
+    the KV lives: no D URL, engine id, lease id, block ids, side-channel address."""
+    from fastapi.testclient import TestClient
+
+    from kvferry.router.app import CLIENT_FIELDS, create_app
+
+    settings = RouterSettings(prefill_urls=["http://p"], decode_urls=[D_URL],
+                              decode_control_addrs=[f"127.0.0.1:{d.port}"])
+    with TestClient(create_app(settings, KEY)) as client:
+        conv: Conversations = client.app.state.conversations
+        turn = client.portal.call(conv.begin, body(), A)
+        offer = d.finish_turn(turn)
+        conv.commit_offer(turn, D_URL, offer)
+        url = "/v1/kvferry/conversations/c1"
+        got = client.get(url, headers=A)
+        renewed = client.post(url + "/heartbeat", headers=A)
+        assert got.status_code == 200 and renewed.status_code == 200
+        for r in (got, renewed):
+            assert tuple(r.json()) == CLIENT_FIELDS
+            assert r.json()["conversation_id"] == "c1" and r.json()["cached_tokens"] == 20
+            internals = [D_URL, "D0", "boot-1", turn.lease_id, "127.0.0.1", "5800", "block",
+                         "sig", "lease", "engine", "decode", "kv_transfer_params"]
+            assert not [s for s in internals if s in r.text], r.text
+        assert got.json()["expires_at"] == parse_lease(offer).expiry
+        assert renewed.json()["expires_at"] >= got.json()["expires_at"]

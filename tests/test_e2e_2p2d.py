@@ -201,7 +201,7 @@ def test_conversations_stick_to_their_decode_and_reuse(cluster):
             got = reused_of(nh, nr)
             assert got == want, f"{cid}: reused {got}, expected {want}"
         r = httpx.get(cluster.router + f"/v1/kvferry/conversations/{cid}", timeout=10)
-        assert r.status_code == 200 and r.json()["decode"] == homes[cid]
+        assert r.status_code == 200 and r.json()["cached_tokens"] > 0
     # Turn 1 of each took the next D round-robin (or the idle one): they live apart.
     assert homes["conv-a"] != homes["conv-b"], homes
 

@@ -121,7 +121,7 @@ def test_turns_reuse_decode_kv(stack):
     assert p1["reuse_reads_done"] - p0["reuse_reads_done"] == 2, "one READ per later turn"
     assert p1["reuse_reads_failed"] == p0["reuse_reads_failed"]
     r = httpx.get(stack.router + "/v1/kvferry/conversations/conv-pull", timeout=10).json()
-    assert r["num_tokens"] % BS == 0 and r["num_tokens"] >= len(hist[-1][0]) // BS * BS
+    assert r["cached_tokens"] % BS == 0 and r["cached_tokens"] >= len(hist[-1][0]) // BS * BS
 
 
 def test_edited_history_reuses_only_the_matching_prefix(stack):

@@ -3,7 +3,7 @@ a discovery file, health ejection and re-admission, prefill retries, SIGTERM dra
 
 Fake engines (tests/helpers_http.py) answer like vLLM; D's lease offers come from a real
 D-side LeaseKeeper whose lease-control server the routers call to release leases. Redis is
-a real `redis-server` (Debian's package; .ci/setup installs it) started by this module.
+a real `redis-server` (Debian's package; .ci/setup installs it; tests/fleet_stack.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,16 +18,16 @@ import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from fleet_stack import RedisServer, wait_for
 from helpers_http import FakeEngine, closed_port_url, free_port, lease_reason, serve
 
 from kvferry.connectors.protocol.params import SECRET_ENV
@@ -46,44 +45,6 @@ AUTH = {"authorization": "Bearer key-A"}
 P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [3], "remote_engine_id": "p0",
             "remote_host": "127.0.0.1", "remote_port": 5600}
 ROOT = Path(__file__).resolve().parent.parent
-
-
-# -- a real redis-server -------------------------------------------------------------------
-class RedisServer:
-    """One `redis-server` on a free port, no persistence; stop/start keep the port."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary, "redis-server missing: .ci/setup installs it (apt-get install redis-server)"
-        self.binary = binary
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=0.5)
-        wait_for(lambda: _pings(client), 10, "redis-server did not start")
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=2)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +67,6 @@ def fresh_redis(redis_server: RedisServer) -> RedisServer:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"{what} not reached in {timeout} s"
-        time.sleep(0.01)
-
-
 def metric(app: FastAPI, name: str, **labels: str) -> float:
     return app.state.metrics.registry.get_sample_value(name, labels) or 0.0
 
@@ -264,6 +218,29 @@ def test_redis_down_slow_and_back(fresh_redis: RedisServer, pd, stack):
     assert metric(app_b, "kvferry_router_state_up") == 1
 
 
+def test_idle_replica_after_a_redis_restart_reads_on_its_first_call(
+        fresh_redis: RedisServer) -> None:
+    """A replica that sent nothing while Redis restarted still holds connections the old
+    server closed: its first call afterwards must read the entry, not fail on one."""
+
+    async def go() -> None:
+        metrics = RouterMetrics()
+        state = RedisState(fresh_redis.url, metrics, timeout_s=2.0)
+        await asyncio.gather(*(state.get("t", f"c{i}", time.time()) for i in range(8)))
+        fresh_redis.stop()
+        fresh_redis.start()  # empty: write the entry another replica would have
+        with fresh_redis.client() as r:
+            r.set(RedisState.key("t", "c1"), encode_entry(_entry(1, time.time() + 60)))
+        for i in range(3):  # every pooled connection is stale, not only the first
+            entry = await state.get("t", "c1", time.time())
+            assert entry is not None and entry.lease_id == f"{1:032x}", i
+        assert metrics.registry.get_sample_value("kvferry_router_state_errors_total",
+                                                 {"op": "get", "kind": "ConnectionError"}) is None
+        await state.close()
+
+    asyncio.run(go())
+
+
 def _entry(i: int, expiry: float) -> ConversationEntry:
     """A realistic entry: a signed offer over 16 blocks (a ~256-token history)."""
     offer = {"engine_id": "d0-engine", "instance": "boot-1", "host": "10.0.0.7", "port": 5800,
@@ -294,9 +271,14 @@ def test_redis_state_is_bounded(fresh_redis: RedisServer) -> None:
 
     async def write(n: int, expiry: float, prefix: str) -> None:
         state = RedisState(fresh_redis.url, RouterMetrics(), timeout_s=2.0)
-        for start in range(0, n, 1000):
+        # As many calls at once as the pool has connections: with more (1000 at once, as
+        # this test once did) a call also waits for a free connection, bounded by the same
+        # timeout_s, and on a loaded 2-core host that wait ran out ("No connection
+        # available"), which RedisState rightly treats as a Redis failure.
+        width = state.max_connections
+        for start in range(0, n, width):
             results = await asyncio.gather(*(state.replace("t", f"{prefix}{i}", _entry(i, expiry))
-                                             for i in range(start, min(n, start + 1000))))
+                                             for i in range(start, min(n, start + width))))
             assert all(r == [] for r in results)
         await state.close()
 
@@ -465,7 +447,9 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(stack) -> None:
     purl = stack.enter_context(serve(p.app()))
     durl = stack.enter_context(serve(d.app()))
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The caller's PYTHONPATH first (a worktree's shim), so the router run is this code.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvferry.scripts.cli", "router", "--prefill", purl,
          "--decode", durl, "--port", str(port), "--drain-timeout", "10",

@@ -1,0 +1,152 @@
+"""The decode step: D's leg, and its answer on the way to the client (JSON, or SSE passed
+through chunk by chunk with engine-owned fields removed)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+
+from kvferry.connectors.protocol import timeline
+
+from . import bodies
+from .answers import finish_json, kv_params_of
+from .context import TIMELINE, FlowContext, json_headers, passive
+from .errors import RouterError, from_status, from_transport
+from .migrate import Migration
+from .sse import ChunkFilter, EngineFieldFilter, Leg, UpstreamStream
+from .upstreams import Upstream
+from .wire import HDR_DECODE, HDR_TRANSFER
+
+
+@dataclass
+class DecodeHooks:
+    """Optional extras for the decode leg (push uses them; pull needs none).
+
+    json_fields: extra top-level fields for a 200 JSON answer. chunk_filter: rewrites the
+    SSE bytes (after engine-owned fields were removed). on_abort: called when a stream
+    ends badly (client gone, D broke); on_success when it ends cleanly. on_d_params: D's
+    kv_transfer_params of a JSON answer; on_stream_params: those a stream carried.
+    """
+
+    json_fields: Callable[[], dict[str, Any]] | None = None
+    chunk_filter: ChunkFilter | None = None
+    on_abort: Callable[[], None] | None = None
+    on_success: Callable[[], None] | None = None  # stream ended cleanly
+    on_d_params: Callable[[dict[str, Any] | None], Awaitable[None]] | None = None
+    on_stream_params: Callable[[dict[str, Any]], None] | None = None  # D's streamed params
+    on_stream_done: Callable[[], None] | None = None  # D's `[DONE]` is about to be forwarded
+    migration: Migration | None = None  # continues a stream whose D broke
+    on_moved: Callable[[Upstream], None] | None = None  # the stream continues on this D
+
+
+async def send_decode(
+    ctx: FlowContext,
+    endpoint: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    stream: bool,
+    started: float,
+    resp_headers: dict[str, str],
+    d: Upstream | None = None,
+    hooks: DecodeHooks | None = None,
+) -> Response:
+    """Send the decode leg and hand its answer to the client (stream or JSON)."""
+    hooks = hooks or DecodeHooks()
+    d = d or ctx.decode.choose()
+    if stream and hooks.migration is not None:
+        body = hooks.migration.decode_body(body)
+    resp_headers = {**resp_headers, HDR_DECODE: d.url}
+    ctx.decode.acquire(d)
+    handed_off = False
+    try:
+        req = ctx.client.build_request(
+            "POST", d.url + path, content=bodies.encode(body), headers=json_headers(headers),
+            timeout=ctx.timeout("decode"))
+        try:
+            resp = await ctx.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            passive(ctx.decode, d, False)
+            raise from_transport(exc, "decode", d.url) from exc
+        passive(ctx.decode, d, resp.status_code < 500)
+        try:
+            if resp.status_code >= 400 or not stream:
+                data = await resp.aread()
+                if resp.status_code == 200 and hooks.on_d_params is not None:
+                    await hooks.on_d_params(kv_params_of(data))
+            else:
+                handed_off = True
+                return _stream(ctx, endpoint, resp, d, started, resp_headers, hooks)
+        except httpx.HTTPError as exc:
+            raise from_transport(exc, "decode", d.url) from exc
+        finally:
+            if not handed_off:
+                await resp.aclose()
+    finally:
+        if not handed_off:
+            ctx.decode.release(d)
+
+    if resp.status_code >= 500:
+        raise from_status(resp.status_code, data.decode(errors="replace"), "decode", d.url)
+    extra: dict[str, Any] = {}
+    if resp.status_code == 200:
+        ctx.metrics.ttft.labels(endpoint=endpoint, stream="false").observe(
+            time.perf_counter() - started
+        )
+        extra = hooks.json_fields() if hooks.json_fields else {}
+    data = finish_json(data, extra)
+    return Response(
+        data,
+        status_code=resp.status_code,
+        media_type=resp.headers.get("content-type", "application/json"),
+        headers=resp_headers,
+    )
+
+
+def _stream(
+    ctx: FlowContext,
+    endpoint: str,
+    resp: httpx.Response,
+    d: Upstream,
+    started: float,
+    resp_headers: dict[str, str],
+    hooks: DecodeHooks,
+) -> UpstreamStream:
+    """Wrap D's open SSE response as the client's stream: engine-owned fields removed
+    from every event, then the hook's own rewriting (push's report event); a break
+    continues on another pair when `hooks.migration` can. D is released when its leg
+    closes."""
+
+    def first_chunk() -> None:
+        timeline.mark(TIMELINE, resp_headers.get(HDR_TRANSFER, ""), "d_first_byte")
+        ctx.metrics.ttft.labels(endpoint=endpoint, stream="true").observe(
+            time.perf_counter() - started
+        )
+
+    def on_error(err: RouterError) -> None:
+        ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
+
+    mig = hooks.migration
+    if mig is None:
+        scrub = EngineFieldFilter(hooks.on_stream_params, hooks.on_stream_done)
+        first = Leg(resp, d.url, scrub, on_close=lambda: ctx.decode.release(d))
+    else:
+        mig.on_stream_params, mig.on_stream_done = hooks.on_stream_params, hooks.on_stream_done
+        mig.on_moved = hooks.on_moved
+        first = mig.leg(resp, d)
+    return UpstreamStream(
+        first,
+        leg="decode",
+        headers=resp_headers,
+        on_first_chunk=first_chunk,
+        on_error=on_error,
+        on_abort=hooks.on_abort,
+        chunk_filter=hooks.chunk_filter,
+        on_success=hooks.on_success,
+        resume=mig.resume if mig is not None else None,
+    )

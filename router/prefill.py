@@ -1,0 +1,122 @@
+"""The prefill step: the leg bodies of one request, P's POST, and the one retry on another P
+when P failed before any byte reached the client."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvferry.connectors.protocol import params as kv
+
+from . import bodies
+from .context import FlowContext, json_headers, passive
+from .errors import RouterError, from_status, from_transport
+from .settings import Mode
+from .upstreams import Upstream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Legs:
+    """The two request bodies of one client request.
+
+    In pull mode `decode_body` is None: D's body depends on P's answer and is built by
+    `bodies.decode_body` afterwards. In push mode both are final before dispatch.
+    """
+
+    mode: Mode
+    transfer_id: str
+    prefill_body: dict[str, Any]
+    decode_body: dict[str, Any] | None
+
+
+def build_legs(
+    mode: Mode,
+    endpoint: str,
+    clean: dict[str, Any],
+    transfer_id: str,
+    prefill_kv: tuple[str, int] | None = None,
+    p_extra: dict[str, Any] | None = None,
+    d_extra: dict[str, Any] | None = None,
+) -> Legs:
+    """Build the leg bodies for `mode` from a sanitised client body.
+
+    Push needs `prefill_kv`, the (host, port) of the chosen P's kvferry side channel: D
+    registers its blocks there and the connectors match the two sides by transfer_id.
+    `p_extra` / `d_extra` join the legs' kv_transfer_params (conversation reuse: D's
+    lease offer for P, a lease request for D; pull adds `d_extra` after P answered).
+    """
+    if mode == "pull":
+        p_params = {**bodies.pull_prefill_params(transfer_id), **(p_extra or {})}
+        return Legs(mode, transfer_id, bodies.prefill_body(clean, endpoint, p_params), None)
+    if prefill_kv is None:
+        raise ValueError("push legs need the prefill side-channel address")
+    host, port = prefill_kv
+    p_params = {**kv.push_prefill_params(transfer_id), **(p_extra or {})}
+    d_params = {**kv.push_decode_params(transfer_id, host, port), **(d_extra or {})}
+    return Legs(
+        mode,
+        transfer_id,
+        bodies.prefill_body(clean, endpoint, p_params),
+        bodies.decode_body(clean, d_params),
+    )
+
+
+async def post_prefill(
+    ctx: FlowContext, p: Upstream, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[httpx.Response, float]:
+    """POST the prefill leg; returns P's response and the leg's duration in seconds.
+
+    5xx and transport failures become RouterError(leg=prefill).
+    """
+    t0 = time.perf_counter()
+    with ctx.prefill.lease(p):
+        try:
+            resp = await ctx.client.post(
+                p.url + path, content=bodies.encode(body), headers=json_headers(headers),
+                timeout=ctx.timeout("prefill"))
+        except httpx.HTTPError as exc:
+            passive(ctx.prefill, p, False)
+            raise from_transport(exc, "prefill", p.url) from exc
+    secs = time.perf_counter() - t0
+    ctx.metrics.prefill_seconds.observe(secs)
+    passive(ctx.prefill, p, resp.status_code < 500)
+    if resp.status_code >= 500:
+        raise from_status(resp.status_code, resp.text, "prefill", p.url)
+    return resp, secs
+
+
+async def prefill_with_retry(
+    ctx: FlowContext, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[Upstream, httpx.Response, float]:
+    """Pull's P leg on the least-loaded P; one more try on another P when it failed (wire
+    or 5xx): nothing reached the client yet. Returns (P, its answer, seconds)."""
+    p = ctx.prefill.choose()
+    try:
+        resp, secs = await post_prefill(ctx, p, path, body, headers)
+    except RouterError as err:
+        other = retry_target(ctx, p, err, "pull")
+        if other is None:
+            raise
+        p = other
+        resp, secs = await post_prefill(ctx, p, path, body, headers)
+    return p, resp, secs
+
+
+def retry_target(ctx: FlowContext, p: Upstream, err: RouterError, mode: str
+                 ) -> Upstream | None:
+    """Another P for a prefill leg that failed on `p` (wire or 5xx), or None."""
+    if err.kind == "no_upstream" or err.status < 500:
+        return None
+    try:
+        other = ctx.prefill.choose(exclude={p.url})
+    except RouterError:
+        return None
+    ctx.metrics.retries.labels(leg="prefill", mode=mode).inc()
+    log.warning("prefill %s failed (%s); retrying on %s", p.url, err.message, other.url)
+    return other

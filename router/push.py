@@ -1,0 +1,159 @@
+"""Push mode: D is chosen first, then P; both legs go out at once with one transfer id.
+
+P gets {"do_remote_decode", "push", "transfer_id"}; D gets {"do_remote_prefill", "push",
+"transfer_id", "remote_host", "remote_port"} naming P's kvferry side channel
+(RouterSettings.prefill_kv_addrs), where D registers its blocks and P writes into them.
+Both legs carry the same `x-request-id`; with `prefill_engine_ids` set, D also gets P's
+`remote_engine_id`, `tp_size` and `remote_request_id`, which is all vLLM's own
+NixlPushConnector needs to be driven by this router too (benchmarks compare it side by
+side). The client gets D's answer; P's answer is awaited in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import Response
+
+from kvferry.connectors.protocol import timeline
+
+from . import bodies
+from .context import TIMELINE, FlowContext
+from .conversations import Turn
+from .decode import DecodeHooks, send_decode
+from .errors import RouterError
+from .migrate import Migration
+from .prefill import build_legs, post_prefill, retry_target
+from .sse import InsertBeforeDone, UpstreamStream
+from .turns import commit_hooks, reuse_report
+from .wire import BODY_PREFILL_MS, BODY_REUSE_REASON, BODY_REUSED, HDR_PREFILL, HDR_TRANSFER
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PushPrefill:
+    """The background P leg of one push request."""
+
+    task: asyncio.Task[None] | None = None
+    ms: float | None = None
+    """P leg duration once P answered 200, else None."""
+    reused: tuple[int, str] | None = None
+    """(Tokens P read back from D, why) for conversation reuse, once P answered."""
+
+    def cancel(self) -> None:
+        """Abort P's request (closes its connection) unless it has finished."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def json_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {} if self.ms is None else {BODY_PREFILL_MS: round(self.ms, 3)}
+        if self.reused is not None:
+            out[BODY_REUSED], out[BODY_REUSE_REASON] = self.reused
+        return out
+
+    def sse_event(self) -> bytes | None:
+        fields = self.json_fields()
+        if not fields:
+            return None
+        payload = json.dumps({"choices": [], **fields})
+        return f"data: {payload}\n\n".encode()
+
+
+async def run_push(
+    ctx: FlowContext,
+    endpoint: str,
+    path: str,
+    clean: dict[str, Any],
+    transfer_id: str,
+    headers: dict[str, str],
+    stream: bool,
+    started: float,
+    turn: Turn | None = None,
+    exclude: frozenset[str] = frozenset(),
+    migration: Migration | None = None,
+) -> Response:
+    """Push: choose D, then P; send both legs at once; D's answer is the client's.
+
+    A P leg that fails (wire or 5xx) before D answered is retried once: D's leg is
+    cancelled and both legs go again, on another P. Once D answered, a failing P is logged
+    and counted but D is left alone: its connector falls back (per
+    kv_load_failure_policy) when P's write never comes. A failing D leg or a client that
+    disconnects cancels the P leg.
+    """
+    d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
+    p = ctx.prefill.choose(exclude=exclude)
+    prefill_kv = ctx.settings.prefill_kv_addr(p.url)
+    if prefill_kv is None:
+        raise RouterError(400, f"push needs --prefill-kv for {p.url}", "invalid_request_error",
+                          "router", "no_prefill_kv")
+    d_extra = {**ctx.settings.push_identity(p.url, transfer_id),
+               **(turn.lease_request(ctx.settings.lease_ttl_s) if turn else {})}
+    legs = build_legs("push", endpoint, clean, transfer_id, prefill_kv,
+                      p_extra=turn.prefill_params() if turn else None, d_extra=d_extra)
+    assert legs.decode_body is not None
+    leg = PushPrefill()
+    p_failed: asyncio.Future[RouterError] = asyncio.get_running_loop().create_future()
+
+    def failed(kind: str, detail: str) -> None:
+        ctx.metrics.push_prefill_failures.labels(kind=kind).inc()
+        log.warning("push prefill leg on %s failed (transfer %s): %s; decode %s falls back",
+                    p.url, transfer_id, detail, d.url)
+
+    async def prefill_leg() -> None:
+        try:
+            resp, secs = await post_prefill(ctx, p, path, legs.prefill_body, headers)
+        except RouterError as err:
+            ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
+            failed(err.kind, err.message)
+            if not p_failed.done():
+                p_failed.set_result(err)
+            return
+        if resp.status_code != 200:
+            failed(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {resp.text[:300]}")
+            return
+        try:
+            params = bodies.extract_kv_params(resp.json())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            params = None
+        if params is not None:
+            leg.reused = reuse_report(ctx, turn, params)
+        leg.ms = secs * 1000.0
+        timeline.mark(TIMELINE, transfer_id, "p_answered")
+
+    timeline.mark(TIMELINE, transfer_id, "dispatched")
+    leg.task = asyncio.create_task(prefill_leg())
+    ctx.background.add(leg.task)
+    leg.task.add_done_callback(ctx.background.discard)
+    # P's prefill is the critical path: let its request go out before D's is built.
+    await asyncio.sleep(0)
+    resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
+    hooks = commit_hooks(ctx, turn, d, DecodeHooks(
+        json_fields=leg.json_fields, chunk_filter=InsertBeforeDone(leg.sse_event),
+        on_abort=leg.cancel, migration=migration))
+    d_leg = asyncio.create_task(send_decode(ctx, endpoint, path, legs.decode_body, headers,
+                                            stream, started, resp_headers, d, hooks))
+    try:
+        await asyncio.wait({d_leg, p_failed}, return_when=asyncio.FIRST_COMPLETED)
+        if not d_leg.done() and not exclude:
+            other = retry_target(ctx, p, p_failed.result(), "push")
+            if other is not None:  # D has answered nothing: start over with another P
+                d_leg.cancel()
+                await asyncio.gather(d_leg, return_exceptions=True)
+                retry_id = uuid.uuid4().hex  # a fresh transfer: D's old one is cancelled
+                return await run_push(ctx, endpoint, path, clean, retry_id,
+                                      {**headers, "x-request-id": retry_id}, stream, started,
+                                      turn, exclude | {p.url}, migration)
+        resp = await d_leg
+    except BaseException:
+        d_leg.cancel()
+        leg.cancel()
+        raise
+    if not isinstance(resp, UpstreamStream) and resp.status_code != 200:
+        leg.cancel()
+    return resp

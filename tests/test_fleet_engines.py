@@ -1,0 +1,252 @@
+"""The router fleet on real vLLM CPU engines: two router replicas (real `kvferry router`
+processes) sharing conversations in a real `redis-server`, in front of 1P1D, and a second
+D that joins through the engines file (1P2D: four engines, as the 2P2D tests run, would
+leave each of CI's two cores with two engines plus the routers; killing a P is covered by
+the fake-engine retry tests).
+
+Order matters (one module-scoped fleet): a conversation alternating replicas; a replica
+SIGKILLed mid-conversation and restarted; Redis SIGKILLed and restarted; D1 added by the
+engines file; a D SIGKILLed mid-stream. Every greedy output is compared with a colocated
+run on P. P runs without prefix caching, so each turn's history comes from D's KV (READ
+back under D's lease) or is recomputed: reused tokens are read off the routers' and P's
+metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from fleet_stack import RedisServer, RouterProcess, wait_for
+from stack import (
+    STARTUP_S,
+    Engine,
+    assert_no_engine_fields,
+    assert_same_output,
+    complete,
+    prompt,
+    start_engine,
+    warm_up,
+)
+from test_e2e_reuse import expected_reuse, out_tokens
+
+from kvferry.router.settings import RouterSettings
+from kvferry.scripts.engines import available_cpus
+from kvferry.scripts.procs import stop_all, wait_healthy
+
+pytestmark = pytest.mark.engine
+
+# Engines share two cores with each other and the routers: timeouts generous enough that
+# a slow (not stalled) transfer does not fall back to recompute (as tests/test_e2e_2p2d.py).
+EXTRA = {"handshake_timeout_s": 60, "recv_timeout_s": 90, "send_timeout_s": 120,
+         "lease_free_grace_s": 10, "lease_margin_s": 10, "reuse_read_timeout_s": 8}
+# A Redis call waits for a core behind three busy engines: past the 100 ms default it
+# (correctly) means "no reuse this turn", which is not what these turns test.
+STATE_TIMEOUT_S = 1.0
+BACKOFF_S = RouterSettings.model_fields["state_retry_s"].default
+"""After a failed Redis call a router leaves Redis alone this long (not a CLI flag)."""
+DISCOVERY_S = RouterSettings.model_fields["discovery_interval_s"].default
+
+
+@dataclass
+class Fleet:
+    p: Engine
+    d0: Engine
+    d1: Engine
+    a: RouterProcess
+    b: RouterProcess
+    redis: RedisServer
+    engines_file: Path
+    model: str
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from kvferry.scripts.modelgen import write_model
+
+    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    logs = tmp_path_factory.mktemp("logs")
+    secret = secrets.token_hex(16)
+    cpus = available_cpus()
+    with ExitStack() as stack:
+        children: list = []
+        stack.callback(stop_all, children)
+
+        def start(role: str, cpu: int, args: tuple[str, ...] = ()) -> Engine:
+            e = start_engine(role, model, logs, secret, extra=EXTRA, cpus=(cpu,),
+                             engine_args=args)
+            children.append(e.child)
+            return e
+
+        p = start("prefill", cpus[0], ("--no-enable-prefix-caching",))
+        d0 = start("decode", cpus[-1])
+        d1 = start("decode", cpus[0])  # joins the routers later, through the engines file
+        redis = RedisServer()
+        redis.start()
+        stack.callback(redis.stop)
+        wait_healthy(children, STARTUP_S)
+        warm_up([p, d0, d1], model)
+        engines_file = logs / "engines.json"
+        engines_file.write_text(json.dumps({"decode": []}))
+        args = ["--prefill", p.url, "--prefill-kv", f"127.0.0.1:{p.side_port}",
+                "--decode", d0.url, "--decode-control", f"127.0.0.1:{d0.control_port}",
+                "--state", redis.url, "--state-timeout", str(STATE_TIMEOUT_S),
+                "--engines-file", str(engines_file), "--health-interval", "1"]
+        a, b = (RouterProcess(args, secret, logs / f"router-{n}.log") for n in "ab")
+        for r in (a, b):
+            stack.callback(r.kill)
+            r.start()
+        yield Fleet(p, d0, d1, a, b, redis, engines_file, model)
+
+
+def turn(router: RouterProcess, fleet: Fleet, toks: list[int], cid: str | None
+         ) -> tuple[dict, httpx.Headers]:
+    body = {"model": fleet.model, "prompt": toks, "max_tokens": 12, "temperature": 0,
+            "logprobs": 5, "return_token_ids": True}
+    if cid is not None:
+        body["conversation_id"] = cid
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=300, trust_env=False)
+    r.raise_for_status()
+    assert_no_engine_fields(r.text)
+    resp = r.json()
+    assert_same_output(resp, complete(fleet.p.url, fleet.model, toks))  # colocated
+    return resp, r.headers
+
+
+class Conversation:
+    """Turns of one conversation: each prompt is the last one, its answer and new text."""
+
+    def __init__(self, fleet: Fleet, cid: str, seed: int) -> None:
+        self.fleet, self.cid, self.seed = fleet, cid, seed
+        self.hist: list[tuple[list[int], dict]] = []
+
+    def next_prompt(self) -> list[int]:
+        if not self.hist:
+            return prompt(300, self.seed)
+        toks, resp = self.hist[-1]
+        return toks + out_tokens(resp) + prompt(150, self.seed * 100 + len(self.hist))
+
+    def turn(self, router: RouterProcess) -> tuple[int, int]:
+        """One turn on `router`: (tokens reused, by the router's metrics and P's own, the
+        reuse the previous turn's KV on D allows)."""
+        toks = self.next_prompt()
+        want = expected_reuse(self.hist[-1][0], out_tokens(self.hist[-1][1]), toks) \
+            if self.hist else 0
+        name = "kvferry_router_reused_tokens_total"
+        before, p_before = router.metric(name), self.fleet.p.transferred_tokens()
+        resp, headers = turn(router, self.fleet, toks, self.cid)
+        self.hist.append((toks, resp))
+        got = router.metric(name) - before
+        assert self.fleet.p.transferred_tokens() - p_before == got  # P agrees
+        assert int(headers.get("x-kvferry-reused-tokens", 0)) == got
+        return int(got), want
+
+
+def test_alternating_replicas_reuse_every_turn(fleet: Fleet) -> None:
+    conv = Conversation(fleet, "conv-alt", seed=1)
+    assert conv.turn(fleet.a) == (0, 0)
+    for router in (fleet.b, fleet.a, fleet.b):
+        got, want = conv.turn(router)
+        assert want >= 256 and got == want, (got, want)
+    for r in (fleet.a, fleet.b):
+        assert r.metric("kvferry_router_state_errors_total") == 0
+        assert r.metric("kvferry_router_reuse_turns_total", reason="ok") >= 1
+
+
+@pytest.fixture(scope="module")
+def conv_kill(fleet: Fleet) -> Conversation:
+    """The conversation that outlives a replica, then Redis."""
+    return Conversation(fleet, "conv-kill", seed=2)
+
+
+def test_killed_replica_next_turn_on_the_other_reuses(fleet: Fleet, conv_kill) -> None:
+    conv = conv_kill
+    conv.turn(fleet.a)
+    conv.turn(fleet.a)
+    fleet.a.kill()  # SIGKILL: nothing it held in memory survives
+    got, want = conv.turn(fleet.b)
+    assert want > 0 and got == want
+    fleet.a.start()  # a fresh replica knows the conversation from Redis alone
+    got, want = conv.turn(fleet.a)
+    assert want > 0 and got == want
+
+
+def test_redis_down_no_reuse_then_back(fleet: Fleet, conv_kill: Conversation) -> None:
+    conv = conv_kill
+    fleet.redis.stop()
+    errors = fleet.b.metric("kvferry_router_state_errors_total")
+    got, _ = conv.turn(fleet.b)
+    assert got == 0  # answered (equal to colocated), without the history's KV
+    assert fleet.b.metric("kvferry_router_state_errors_total") > errors
+    assert fleet.b.metric("kvferry_router_state_up") == 0
+    fleet.redis.start()  # empty: no persistence
+    time.sleep(BACKOFF_S)  # the replica's back-off after the failed call
+    got, _ = conv.turn(fleet.b)  # nothing stored yet: recompute, and this turn is stored
+    assert got == 0 and fleet.b.metric("kvferry_router_state_up") == 1
+    got, want = conv.turn(fleet.a)
+    assert want > 0 and got == want
+
+
+def test_engine_added_through_the_engines_file_gets_work(fleet: Fleet) -> None:
+    tmp = fleet.engines_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"decode": [
+        {"url": fleet.d1.url, "control_addr": f"127.0.0.1:{fleet.d1.control_port}"}]}))
+    tmp.replace(fleet.engines_file)
+
+    def decoders(r: RouterProcess) -> list[str]:
+        return [d["url"] for d in httpx.get(r.url + "/health", timeout=5).json()["decode"]]
+
+    for r in (fleet.a, fleet.b):
+        wait_for(lambda r=r: fleet.d1.url in decoders(r), 10 * DISCOVERY_S, "D1 discovered")
+    served = []
+    for i in range(2):  # least in flight, ties round-robin: one of two goes to D1
+        _, headers = turn(fleet.b, fleet, prompt(200, 40 + i), None)
+        served.append(headers["x-kvferry-decode"])
+    assert fleet.d1.url in served, served
+    assert fleet.b.metric("kvferry_router_discovery_changes_total", role="decode",
+                          change="added") == 1
+
+
+def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> None:
+    toks = prompt(260, 50)
+    body = {"model": fleet.model, "prompt": toks, "max_tokens": 160, "temperature": 0,
+            "stream": True, "return_token_ids": True}
+
+    def run(kill_after: int | None) -> tuple[list[int], str, bytes]:
+        ids: list[int] = []
+        with httpx.stream("POST", fleet.b.url + "/v1/completions", json=body, timeout=300,
+                          trust_env=False) as r:
+            assert r.status_code == 200
+            served = r.headers["x-kvferry-decode"]
+            raw = b""
+            for line in r.iter_lines():
+                raw += line.encode() + b"\n"
+                if not line.startswith("data: {"):
+                    continue
+                for c in json.loads(line[6:]).get("choices", []):
+                    ids += c.get("token_ids") or []
+                if kill_after is not None and len(ids) >= kill_after:
+                    victim = next(e for e in (fleet.d0, fleet.d1) if e.url == served)
+                    victim.child.signal_group(signal.SIGKILL)
+                    kill_after = None
+        return ids, served, raw
+
+    whole, _, _ = run(None)  # uninterrupted, through the same router
+    colocated = complete(fleet.p.url, fleet.model, toks, max_tokens=160)["choices"][0]
+    assert whole == colocated["token_ids"]
+    before = fleet.b.metric("kvferry_router_migrations_total", result="ok")
+    got, killed, raw = run(kill_after=6)
+    assert b'"error"' not in raw and raw.rstrip().endswith(b"data: [DONE]")
+    assert_no_engine_fields(raw.decode())
+    assert got == whole  # one stream, token for token
+    assert fleet.b.metric("kvferry_router_migrations_total", result="ok") == before + 1
+    assert fleet.b.metric("kvferry_router_migrated_tokens_total") >= 6
+    wait_for(lambda: not next(e for e in (fleet.d0, fleet.d1)
+                              if e.url == killed).child.group_alive(), 10, "D dead")
