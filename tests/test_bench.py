@@ -32,11 +32,9 @@ from kvferry.scripts.bench_core import (
     StreamState,
     Target,
     arrival_offsets,
-    assess_sustainable,
-    latency_fields,
     parse_target,
-    percentile,
 )
+from kvferry.scripts.bench_stats import assess_sustainable, latency_fields, percentile
 
 SCHEMA_FIELDS = ("experiment", "impl", "mode", "hardware", "model", "input_len", "output_len", "qps",
                  "sustainable", "n", "ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "errors",

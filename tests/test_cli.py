@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvferry.router.settings import RouterSettings
-from kvferry.scripts import cli
+from kvferry.scripts import cli, up_stack
 from kvferry.scripts.engines import (
     EngineSpec,
     cpu_share,
@@ -30,6 +30,7 @@ from kvferry.scripts.engines import (
     kv_transfer_config,
 )
 from kvferry.scripts.procs import Child, stop_all
+from kvferry.scripts.up_stack import up_engines
 
 HELPERS = Path(__file__).with_name("helpers_http.py")
 runner = CliRunner()
@@ -39,22 +40,26 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-@pytest.mark.parametrize("role,side,bind", [("prefill", 5600, "0"), ("decode", 5616, "1")])
-def test_cpu_kvferry_engine(role: str, side: int, bind: str) -> None:
-    spec = EngineSpec(role=role, model="/m", port=8100, cpus=(0, 1))  # type: ignore[arg-type]
+@pytest.mark.parametrize("role,side,bind", [("prefill", 5600, "0"), ("decode", 5602, "1")])
+def test_cpu_kvferry_engine(role: str, side: int, bind: str, tmp_path: Path) -> None:
+    model = str(tmp_path)  # a config-only model dir: vLLM's dummy weights
+    spec = EngineSpec(role=role, model=model, port=8100, cpus=(0, 1),  # type: ignore[arg-type]
+                      side_channel_port=side)
     argv = engine_argv(spec)
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    assert _flag(argv, "--model") == "/m" and _flag(argv, "--port") == "8100"
+    assert _flag(argv, "--model") == model and _flag(argv, "--port") == "8100"
     assert _flag(argv, "--load-format") == "dummy" and _flag(argv, "--seed") == "0"
     assert _flag(argv, "--max-model-len") == "4096" and "--enforce-eager" in argv
+    assert _flag(argv, "--tensor-parallel-size") == "1"
     kv = json.loads(_flag(argv, "--kv-transfer-config"))
     assert kv == {
         "kv_connector": "KvferryConnector",
         "kv_connector_module_path": "kvferry.connectors.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
+        # the lease-control port right after the one TP rank's side channel
         "kv_connector_extra_config": {"hardware_backend": "cpu", "side_channel_host": "127.0.0.1",
-                                      "side_channel_port": side, "lease_control_port": side + 50,
+                                      "side_channel_port": side, "lease_control_port": side + 1,
                                       "transfer_mode": "pull"},
     }
     assert engine_env(spec) == {
@@ -68,7 +73,8 @@ def test_cpu_kvferry_engine(role: str, side: int, bind: str) -> None:
 def test_cpu_vllm_nixl_and_ucx() -> None:
     p = EngineSpec(role="prefill", model="/m", port=1, connector="vllm-nixl", cpus=(0, 1),
                    ucx_tls="tcp,self")
-    d = EngineSpec(role="decode", model="/m", port=2, connector="vllm-nixl", cpus=(0, 1))
+    d = EngineSpec(role="decode", model="/m", port=2, connector="vllm-nixl", cpus=(0, 1),
+                   side_channel_port=p.next_side_channel_port)
     assert kv_transfer_config(p) == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                                      "kv_buffer_device": "cpu", "engine_id": "prefill-127.0.0.1-1"}
     push = EngineSpec(role="decode", model="/m", port=2, connector="vllm-nixl", mode="push",
@@ -110,6 +116,24 @@ def test_eager_only_where_asked_or_on_cpu() -> None:
                                                            cpus=(0, 1), eager=False))
 
 
+def test_dummy_weights_only_for_a_local_model_dir_without_weights(tmp_path: Path) -> None:
+    """modelgen's config-only dirs run vLLM's dummy init; a dir with (sharded) weights, an
+    HF id, or a launch's remote path load real weights (vLLM's default, no flag)."""
+    def load_format(model: str, **kw: object) -> str | None:
+        argv = engine_argv(EngineSpec(role="prefill", model=model, port=1, cpus=(0,), **kw))  # type: ignore[arg-type]
+        return _flag(argv, "--load-format") if "--load-format" in argv else None
+
+    empty, sharded = tmp_path / "config-only", tmp_path / "sharded"
+    empty.mkdir()
+    sharded.mkdir()
+    (empty / "config.json").write_text("{}")
+    (sharded / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert load_format(str(empty)) == "dummy"
+    assert load_format(str(sharded)) is None  # was dummy: only model.safetensors counted
+    assert load_format("Qwen/Qwen3-0.6B") is None  # was dummy: a hub id is no local dir
+    assert load_format(str(empty), model_on_this_host=False) is None
+
+
 def test_cpu_splits() -> None:
     assert [cpu_share((0, 1), i) for i in (0, 1)] == ["0", "1"]
     assert [cpu_share(tuple(range(8)), i) for i in (0, 1)] == ["0-3", "4-7"]
@@ -120,15 +144,22 @@ def test_cpu_splits() -> None:
 
 def test_cpu_tp_engine_binds_each_rank_and_ports_leave_room_for_ranks() -> None:
     """A CPU engine with TP ranks: vLLM's '|'-separated bind, one slice per rank, and
-    --tensor-parallel-size; P's ranks (side port + rank) never reach D's side port."""
+    --tensor-parallel-size; `up`'s P ranks and lease control never reach D's ports, for
+    any TP (D used to sit at a fixed 5616, which a P of TP >= 16 overran)."""
     spec = EngineSpec(role="prefill", model="/m", port=1, cpus=tuple(range(8)),
                       devices_per_engine=2)
     assert engine_env(spec)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
     assert _flag(engine_argv(spec), "--tensor-parallel-size") == "2"
     small = EngineSpec(role="decode", model="/m", port=1, cpus=(0, 1), devices_per_engine=2)
     assert engine_env(small)["VLLM_CPU_OMP_THREADS_BIND"] == "1|1"
-    p, d = (EngineSpec(role=r, model="/m", port=1) for r in ("prefill", "decode"))
-    assert p.side_port + 15 < d.side_port < p.control_port
+    for p_tp, d_tp in ((1, 1), (2, 1), (16, 4), (64, 64)):  # up to a trn2's 64 NeuronCores
+        specs = up_engines("/m", "neuron", {"prefill": 1, "decode": 2},
+                           {"prefill": p_tp, "decode": d_tp})
+        p, d = specs["prefill"], specs["decode"]
+        assert list(p.side_ports) == list(range(5600, 5600 + p_tp))
+        assert p.control_port == 5600 + p_tp == p.side_port + p.tp  # the connector's default
+        assert d.side_port == p.control_port + 1 and d.control_port == d.side_port + d_tp
+        assert not set(p.ports) & set(d.ports)
 
 
 def test_dry_run_with_another_decode_tp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,7 +172,7 @@ def test_dry_run_with_another_decode_tp(tmp_path: Path, monkeypatch: pytest.Monk
     p_cmd = lines[lines.index(next(x for x in lines if x.startswith("# prefill"))) + 1]
     d_cmd = lines[lines.index(next(x for x in lines if x.startswith("# decode"))) + 1]
     assert "CUDA_VISIBLE_DEVICES=0,1" in p_cmd and "--tensor-parallel-size 2" in p_cmd
-    assert "CUDA_VISIBLE_DEVICES=2" in d_cmd and "--tensor-parallel-size" not in d_cmd
+    assert "CUDA_VISIBLE_DEVICES=2" in d_cmd and "--tensor-parallel-size 1" in d_cmd
 
 
 def test_up_gives_the_router_its_state_url_as_env(tmp_path: Path,
@@ -236,7 +267,7 @@ def _fake_engines(monkeypatch: pytest.MonkeyPatch, crash: str | None = None) -> 
             return [sys.executable, "-c", "print('boom: no accelerator'); raise SystemExit(3)"]
         return [sys.executable, str(HELPERS), str(spec.port), spec.role]
 
-    monkeypatch.setattr(cli, "engine_argv", argv)
+    monkeypatch.setattr(up_stack, "engine_argv", argv)
 
 
 def _ports() -> list[str]:
@@ -321,8 +352,8 @@ def test_up_stops_on_sigterm(tmp_path: Path) -> None:
     model_dir.mkdir()
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); h = sys.argv[2];"
-        "from kvferry.scripts import cli;"
-        "cli.engine_argv = lambda s: [sys.executable, h, str(s.port), s.role];"
+        "from kvferry.scripts import cli, up_stack;"
+        "up_stack.engine_argv = lambda s: [sys.executable, h, str(s.port), s.role];"
         "sys.argv = ['kvferry', 'up', *sys.argv[3:]]; cli.main()"
     )
     proc = subprocess.Popen(

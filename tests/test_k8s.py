@@ -22,15 +22,12 @@ import yaml
 from typer.testing import CliRunner
 
 from kvferry.scripts.cli import app as kvferry_app
-from kvferry.scripts.k8s import (
-    K8S_VERSION,
-    SOURCES,
-    K8sSettings,
-    render_all,
-    router_argv,
-    write_dir,
-)
-from kvferry.scripts.launch import PlanError, launch_app, neuron_prelude, plan
+from kvferry.scripts.k8s import render_all, router_argv
+from kvferry.scripts.k8s_render import write_dir
+from kvferry.scripts.k8s_settings import K8S_VERSION, SOURCES, K8sSettings
+from kvferry.scripts.launch import launch_app
+from kvferry.scripts.neuron_env import neuron_prelude
+from kvferry.scripts.plan import PlanError, plan
 
 SECRET = "k8s-test-secret-0123456789abcdef"
 SCHEMAS = Path(__file__).parent / "schemas"

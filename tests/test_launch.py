@@ -15,16 +15,10 @@ import typer
 from fakes.vllm_neuron_env import VISIBLE_CORES_REFUSED, ccom_root, visible_devices
 from typer.testing import CliRunner
 
-from kvferry.scripts.launch import (
-    AWS_SAMPLE_ENV,
-    INSTANCES,
-    NEURON_ENV_VS_AWS_SAMPLE,
-    PlanError,
-    launch_app,
-    neuron_prelude,
-    plan,
-    read_hosts,
-)
+from kvferry.scripts.instances import INSTANCES
+from kvferry.scripts.launch import launch_app, read_hosts
+from kvferry.scripts.neuron_env import AWS_SAMPLE_ENV, NEURON_ENV_VS_AWS_SAMPLE, neuron_prelude
+from kvferry.scripts.plan import PlanError, plan
 
 
 def engines(plans):
@@ -252,7 +246,7 @@ def test_the_fake_worker_check_refuses_what_vllm_neuron_refuses() -> None:
 
 def test_trn2_env_is_accounted_for_against_aws_sample() -> None:
     """Every variable a trn2 engine gets, and every one AWS's disagg_serve_vllm sample
-    sets, has a one-line decision in launch.py; adopted ones carry the sample's value."""
+    sets, has a one-line decision in neuron_env.py; adopted ones carry the sample's value."""
     env: dict[str, str] = {}
     for kw in TRN2_PLANS:
         kw = dict(kw)

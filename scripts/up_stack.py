@@ -1,0 +1,194 @@
+"""`kvferry up` / `kvferry run`: one prefill engine, one decode engine and the router on
+this machine, their command lines from the one engine builder (engines.py), supervised as
+process groups (no orphans) until Ctrl-C, SIGTERM, a death, or the demo's end."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import typer
+
+from kvferry.connectors.protocol.params import SECRET_ENV, deployment_secret
+
+from .demo import run_demo
+from .engines import (
+    BACKENDS,
+    CONNECTORS,
+    ROLES,
+    SIDE_CHANNEL_PORT,
+    EngineSpec,
+    engine_argv,
+    engine_env,
+    vllm_engine_id,
+)
+from .modelgen import write_model
+from .procs import Child, StartupError, died_message, first_dead, stop_all, wait_healthy
+
+STATE_ENV = "KVFERRY_STATE_URL"
+"""Where `kvferry router` (and so `kvferry up`) takes `--state` from when it is not given."""
+STATE_DIR = Path(".kvferry")
+DECODE_HTTP_PORT = 8200
+
+
+class Shutdown(Exception):
+    """Raised from SIGTERM/SIGHUP handlers so `finally` blocks stop the children."""
+
+
+def _on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise Shutdown(signal.Signals(signum).name)
+
+
+def choice(value: str, allowed: tuple[str, ...], flag: str) -> str:
+    if value not in allowed:
+        raise typer.BadParameter(f"{value!r} not in {', '.join(allowed)}", param_hint=flag)
+    return value
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def up_engines(model: str, hardware_backend: str, ports: dict[str, int], tp: dict[str, int], *,
+               connector: str = "kvferry", mode: str = "pull", max_model_len: int | None = 4096,
+               ucx_tls: str | None = None, nixl_backends: list[str] | None = None,
+               extra: tuple[str, ...] = ()) -> dict[str, EngineSpec]:
+    """`up`'s two engines on this host, P then D: devices numbered P first, D's side-channel
+    ports after P's ranks and lease control (the one port layout: engines.py)."""
+    specs: dict[str, EngineSpec] = {}
+    side, first = SIDE_CHANNEL_PORT, 0
+    for role in ROLES:
+        spec = specs[role] = EngineSpec(
+            role=role, model=model, port=ports[role],
+            backend=hardware_backend,  # type: ignore[arg-type]
+            connector=connector,  # type: ignore[arg-type]
+            mode=mode,  # type: ignore[arg-type]
+            max_model_len=max_model_len, devices_per_engine=tp[role], side_channel_port=side,
+            devices=None if hardware_backend == "cpu" else tuple(range(first, first + tp[role])),
+            ucx_tls=ucx_tls, nixl_backends=tuple(nixl_backends or ()), extra_args=extra,
+        )
+        side, first = spec.next_side_channel_port, first + tp[role]
+    return specs
+
+
+def up_stack(
+    extra_args: list[str],
+    *,
+    hardware_backend: str,
+    model_dir: Path | None,
+    prefill_port: int,
+    decode_port: int,
+    router_port: int,
+    connector: str,
+    mode: str,
+    max_model_len: int,
+    engine_arg: list[str],
+    ucx_tls: str | None,
+    devices_per_engine: int,
+    decode_devices: int | None,
+    startup_timeout: float,
+    run_demo_after: bool,
+    demo_max_tokens: int,
+    dry_run: bool,
+    state: str = "memory",
+    nixl_backends: list[str] | None = None,
+) -> int:
+    """`up` and `run`: start (or with ``dry_run`` print) the stack; the exit code."""
+    choice(hardware_backend, BACKENDS, "--hardware-backend")
+    choice(connector, CONNECTORS, "--connector")
+    choice(mode, ("pull", "push"), "--mode")
+    if model_dir is None:
+        model_dir = STATE_DIR / "models" / "tiny"
+        if not dry_run:
+            write_model(model_dir, "tiny", weights=True)
+    extra = tuple(a for chunk in engine_arg for a in shlex.split(chunk)) + tuple(extra_args)
+    ports = {"prefill": prefill_port, "decode": decode_port}
+    logs = STATE_DIR / "logs"
+    children: list[Child] = []
+    secret = deployment_secret()
+    # TP per engine (devices, NeuronCores or CPU ranks); D may differ from P.
+    tp = {"prefill": devices_per_engine, "decode": decode_devices or devices_per_engine}
+    specs = up_engines(str(model_dir.resolve()), hardware_backend, ports, tp, connector=connector,
+                       mode=mode, max_model_len=max_model_len, ucx_tls=ucx_tls,
+                       nixl_backends=nixl_backends or [], extra=extra)
+    for role, spec in specs.items():
+        children.append(Child(role, engine_argv(spec), logs / f"{role}.log",
+                              f"http://127.0.0.1:{ports[role]}/health",
+                              {**engine_env(spec), SECRET_ENV: secret}))
+    router_url = f"http://127.0.0.1:{router_port}"
+    router_argv = [sys.executable, "-m", "kvferry.scripts.cli", "router",
+                   "--prefill", f"http://127.0.0.1:{prefill_port}",
+                   "--decode", f"http://127.0.0.1:{decode_port}",
+                   "--port", str(router_port), "--mode", mode]
+    p_spec, d_spec = specs["prefill"], specs["decode"]
+    if connector == "kvferry":
+        router_argv += ["--prefill-kv", f"{p_spec.side_host}:{p_spec.side_port}",
+                        "--decode-control", f"{d_spec.side_host}:{d_spec.control_port}"]
+    elif mode == "push":  # vLLM's NixlPushConnector: D names P's engine before P answers
+        router_argv += ["--prefill-kv", f"{p_spec.side_host}:{p_spec.side_port}",
+                        "--prefill-engine-id", vllm_engine_id(p_spec)]
+    router_env = {SECRET_ENV: secret}
+    if state != "memory":  # as env: a Redis URL may carry a password (`router --state`)
+        router_env[STATE_ENV] = state
+    children.append(Child("router", router_argv, logs / "router.log", router_url + "/health",
+                          router_env))
+
+    if dry_run:
+        for c in children:
+            env = [f"{k}={shlex.quote(v)}" for k, v in sorted(c.env.items())]
+            typer.echo(f"# {c.name} (log {c.log_path})\n{' '.join([*env, shlex.join(c.argv)])}")
+        return 0
+    busy = [p for p in (prefill_port, decode_port, router_port) if _port_busy(p)]
+    if busy:
+        typer.echo(f"port(s) already in use: {busy}; stop what holds them or pick others", err=True)
+        return 1
+
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for c in children:
+            c.start()
+            typer.echo(f"started {c.name} (pid {c.proc.pid if c.proc else '?'}, log {c.log_path})")
+        t0 = time.monotonic()
+        wait_healthy(children, startup_timeout, on_ready=lambda c: typer.echo(
+            f"{c.name} healthy after {time.monotonic() - t0:.0f}s"))
+        typer.echo(f"prefill  http://127.0.0.1:{prefill_port}\n"
+                   f"decode   http://127.0.0.1:{decode_port}\n"
+                   f"router   {router_url}  (OpenAI API: {router_url}/v1)")
+        if run_demo_after:
+            rc = run_demo(router_url, max_tokens=demo_max_tokens)
+            dead = first_dead(children)
+            if dead is not None:
+                typer.echo(died_message(dead), err=True)
+                rc = rc or 1
+            return rc
+        typer.echo("running; Ctrl-C to stop")
+        while True:
+            dead = first_dead(children)
+            if dead is not None:
+                typer.echo(died_message(dead), err=True)
+                return 1
+            time.sleep(1)
+    except StartupError as exc:
+        typer.echo(f"startup failed: {exc}", err=True)
+        return 1
+    except (KeyboardInterrupt, Shutdown) as exc:
+        typer.echo(f"stopping ({type(exc).__name__} {exc})".strip(), err=True)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 143
+    finally:
+        # Ignore further signals while stopping so a second Ctrl-C cannot leave orphans.
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        stop_all(children)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        typer.echo("all processes stopped", err=True)
+
+
