@@ -39,6 +39,7 @@ class DecodeHooks:
     on_d_params: Callable[[dict[str, Any] | None], Awaitable[None]] | None = None
     on_stream_params: Callable[[dict[str, Any]], None] | None = None  # D's streamed params
     on_stream_done: Callable[[], None] | None = None  # D's `[DONE]` is about to be forwarded
+    on_answer: Callable[[bytes], None] | None = None  # a 200 JSON answer's bytes, before on_d_params
 
 
 async def send_decode(
@@ -72,6 +73,8 @@ async def send_decode(
         try:
             if resp.status_code >= 400 or not stream:
                 data = await resp.aread()
+                if resp.status_code == 200 and hooks.on_answer is not None:
+                    hooks.on_answer(data)
                 if resp.status_code == 200 and hooks.on_d_params is not None:
                     await hooks.on_d_params(kv_params_of(data))
             else:

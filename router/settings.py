@@ -55,6 +55,20 @@ class RouterSettings(BaseModel):
         None, gt=0, description="Lease TTL asked of D per turn (default: D's decoder_kv_blocks_ttl)."
     )
     max_conversations: int = Field(100_000, gt=0, description="Conversation registry bound (LRU).")
+    # -- per-turn route (turn_policy.py: defaults and the measurements behind them) -------
+    d_local_max_new_tokens: int = Field(1024, ge=0, description="A turn with at most this many "
+                                        "new tokens beyond the history its D holds is served by "
+                                        "that D from its prefix cache, without P (0: never).")
+    d_local_busy_tokens_per_s: float = Field(1200.0, ge=0, description="D-local prefill tokens "
+                                             "per second a D with other requests in flight may "
+                                             "take (token bucket per D; 0: only an idle D).")
+    d_local_max_in_flight: int = Field(32, ge=1, description="A D with this many requests open "
+                                       "from this router gets no D-local turn (1: only an idle D).")
+    d_local_chars_per_token: float = Field(3.0, gt=0, description="Characters per token for a "
+                                           "conversation with nothing to calibrate on yet.")
+    content_reuse: bool = Field(True, description="Recognise a chat conversation without an id "
+                                "from its content (history + the answers the router returned), "
+                                "per tenant; an explicit id wins.")
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout per upstream call.")
     prefill_timeout_s: float = Field(
         300.0, gt=0, description="Read timeout for the prefill leg (whole prompt compute)."

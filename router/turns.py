@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import continuation
 from .context import FlowContext
 from .conversations import Turn
 from .decode import DecodeHooks
@@ -63,4 +64,4 @@ def commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decode
     hooks.on_stream_params = on_stream_params
     hooks.on_stream_done = on_stream_end
     hooks.on_success = on_stream_end
-    return hooks
+    return continuation.track(conv, turn, d.url, hooks)  # records what D holds first
