@@ -88,6 +88,31 @@ class RouterMetrics:
             "Estimated new tokens of the turns served D-local (what D prefilled itself).",
             registry=self.registry,
         )
+        self.kv_events = Counter(
+            "kvferry_router_kv_events",
+            "KV cache events received from prefill engines (ok), and batches lost (gap) or "
+            "unreadable (malformed).",
+            ["prefill", "result"],
+            registry=self.registry,
+        )
+        self.kv_index_blocks = Gauge(
+            "kvferry_router_kv_index_blocks",
+            "Cached blocks the router knows each prefill engine holds.",
+            ["prefill"],
+            registry=self.registry,
+        )
+        self.kv_aware_choices = Counter(
+            "kvferry_router_kv_aware_choices",
+            "Prefill choices for token-id prompts: a P holding part of the prompt (match), "
+            "or none did (no_match: least loaded).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.kv_aware_matched_tokens = Counter(
+            "kvferry_router_kv_aware_matched_tokens",
+            "Prompt tokens the chosen prefill engine held, by the router's index.",
+            registry=self.registry,
+        )
         self.content_matches = Counter(
             "kvferry_router_content_matches",
             "Chat requests without a conversation id, by whether their content continued a "

@@ -69,6 +69,16 @@ class RouterSettings(BaseModel):
     content_reuse: bool = Field(True, description="Recognise a chat conversation without an id "
                                 "from its content (history + the answers the router returned), "
                                 "per tenant; an explicit id wins.")
+    # -- KV-aware prefill choice (kv_events.py, kv_index.py) ------------------------------
+    prefill_kv_events: list[str] = Field(default_factory=list, description="vLLM KV cache event "
+                                         "endpoint (`tcp://host:port`, the engine's "
+                                         "--kv-events-config) of each prefill engine, aligned "
+                                         "with prefill_urls; token-id prompts then go to the P "
+                                         "holding most of their prefix, weighed with load.")
+    kv_aware_load_tokens: float = Field(2048.0, ge=0, description="A request in flight on a P "
+                                        "weighs like this many prompt tokens it would compute.")
+    kv_index_max_blocks: int = Field(1_000_000, gt=0, description="Blocks remembered per "
+                                     "prefill engine (LRU).")
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout per upstream call.")
     prefill_timeout_s: float = Field(
         300.0, gt=0, description="Read timeout for the prefill leg (whole prompt compute)."
@@ -155,6 +165,9 @@ class RouterSettings(BaseModel):
         if self.prefill_engine_ids and len(self.prefill_engine_ids) != n_p:
             raise ValueError(f"{len(self.prefill_engine_ids)} prefill engine id(s) for {n_p} "
                              "prefill URL(s)")
+        if self.prefill_kv_events and len(self.prefill_kv_events) != n_p:
+            raise ValueError(f"{len(self.prefill_kv_events)} prefill KV event endpoint(s) for "
+                             f"{n_p} prefill URL(s)")
         n_c, n_d = len(self.decode_control_addrs), len(self.decode_urls)
         if n_c and n_c != n_d:
             raise ValueError(f"{n_c} decode control address(es) for {n_d} decode URL(s)")

@@ -98,6 +98,10 @@ def router(
     d_local_max_in_flight: Annotated[int, typer.Option(
         envvar="KVFERRY_D_LOCAL_MAX_IN_FLIGHT", help="No D-local turn for a decode engine with "
         "this many requests open from this router.")] = 32,
+    prefill_kv_events: Annotated[list[str] | None, typer.Option(
+        help="vLLM KV cache event endpoint (tcp://host:port, the engine's --kv-events-config) "
+        "of each prefill engine, same order as --prefill: token-id prompts go to the P "
+        "holding most of their prefix, weighed with load.")] = None,
     content_reuse: Annotated[bool, typer.Option(
         envvar="KVFERRY_CONTENT_REUSE", help="Recognise chat conversations sent without an id "
         "by their content (per API key).")] = True,
@@ -128,6 +132,7 @@ def router(
             drain_timeout_s=drain_timeout, d_local_max_new_tokens=d_local_max_new_tokens,
             d_local_busy_tokens_per_s=d_local_busy_tokens_per_s,
             d_local_max_in_flight=d_local_max_in_flight, content_reuse=content_reuse,
+            prefill_kv_events=prefill_kv_events or [],
         )
     except ValidationError as exc:
         msgs = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
