@@ -11,7 +11,8 @@ longest first). An entry is used only if its own record agrees (`history.delta`)
 - An explicit id wins: content is consulted only for requests that carry none.
 - Edits: an edited message changes every later digest, so no entry matches.
 - Forks: two continuations of one entry both match it; each commits its own key, and only
-  the first retires (releases) the entry they continued, so both branches keep theirs.
+  the first retires (releases) the entry they continued, so both branches keep theirs. A
+  later fork of a turn already continued finds no entry: it recomputes (never wrong).
 - Tenants: keys live under the tenant (a hash of the API key), as every entry does.
 - Bounds: content entries are registry entries: the lease TTL and the LRU cap apply.
 
