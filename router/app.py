@@ -34,6 +34,8 @@ from .conversations import Conversations, LeaseUnavailable
 from .errors import RouterError, error_body, from_status, from_transport
 from .fleet import Fleet
 from .flow import run_request
+from .kv_events import subscribe
+from .kv_index import PrefixIndex
 from .metrics import RouterMetrics
 from .registry import ConversationEntry
 from .settings import MODES, Mode, RouterSettings
@@ -82,6 +84,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
                     "requests, so conversation reuse is off; set it to the value the "
                     "engines run with", SECRET_ENV)
     conversations = Conversations(settings, metrics, key)
+    kv_index = PrefixIndex(settings.kv_index_max_blocks) if settings.prefill_kv_events else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -93,7 +96,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
         # trust_env=False: proxy variables must never divert engine traffic.
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
             holder["ctx"] = FlowContext(client, settings, prefill, decode, metrics,
-                                        conversations=conversations)
+                                        conversations=conversations, kv_index=kv_index)
             loops = []
             if settings.engines_file:
                 loops.append(fleet.watch())
@@ -103,6 +106,9 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
                 loops.append(fleet.probe_loop(client))
             if settings.state != "memory":
                 loops.append(_every(5.0, conversations.refresh_size))
+            if kv_index is not None:
+                loops.append(subscribe(kv_index, metrics, dict(zip(
+                    settings.prefill_urls, settings.prefill_kv_events, strict=True))))
             tasks = [asyncio.create_task(c) for c in loops]
             yield
             for task in tasks:
@@ -121,6 +127,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     app.state.fleet = fleet
     app.state.draining = False
     app.state.pools = {"prefill": prefill, "decode": decode}
+    app.state.kv_index = kv_index
 
     async def handle(request: Request, endpoint: str, path: str) -> Response:
         ctx = holder["ctx"]

@@ -38,6 +38,8 @@ class FlowContext:
     metrics: RouterMetrics
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     conversations: Conversations | None = None
+    turn_policy: Any = None  # d_local.policy_of: (PolicyConfig, LocalBudget), made on first use
+    kv_index: Any = None  # kv_index.PrefixIndex of the prefill engines, with KV events
 
     def timeout(self, leg: str) -> httpx.Timeout:
         """Per-leg timeouts: connect is short; read bounds each wait for bytes.

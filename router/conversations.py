@@ -26,12 +26,13 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvferry.connectors.protocol import params as kv
 from kvferry.connectors.transfer import lease_control
 
+from . import continuation, history
 from .metrics import RouterMetrics
 from .registry import (
     ConversationEntry,
@@ -58,6 +59,10 @@ class Turn:
     conversation_id: str
     lease_id: str
     entry: ConversationEntry | None  # the previous turn's KV, if still leased
+    view: history.PromptView | None = None  # the request's prompt (route policy, content keys)
+    history: dict[str, Any] | None = None  # what D holds once this turn answered
+    continues: str | None = None  # content-keyed: the key of the entry this turn continues
+    content: bool = False  # keyed by content: conversation_id is set once D answered
 
     @property
     def key(self) -> tuple[str, str]:
@@ -89,13 +94,16 @@ class Conversations:
     # -- a turn ------------------------------------------------------------------------
     async def begin(self, body: Mapping[str, Any], headers: Any) -> Turn | None:
         cid = conversation_id_from(body, headers)
-        if cid is None:
+        if cid is None and not self.settings.content_reuse:
             return None
+        view = history.view_of(body)
         tenant = tenant_of(api_key_from(headers), self._secret)
+        if cid is None:  # an explicit id wins; without one, the content may say
+            return await continuation.begin(self, tenant, view)
         await self._settle(tenant, cid)  # the previous streamed turn is still being recorded
         entry = await self.state.get(tenant, cid, time.time())
         self._gauge()
-        return Turn(tenant, cid, uuid.uuid4().hex, entry)
+        return Turn(tenant, cid, uuid.uuid4().hex, entry, view=view)
 
     def _entry_of(self, turn: Turn, decode_url: str, offer: Any) -> ConversationEntry | None:
         if not isinstance(offer, Mapping):
@@ -104,7 +112,8 @@ class Conversations:
             entry = ConversationEntry(
                 decode_url=decode_url, engine_id=str(offer["engine_id"]),
                 lease_id=str(offer["lease_id"]), expiry=float(offer["expiry"]),
-                num_tokens=int(offer["num_tokens"]), kv_transfer_params=dict(offer))
+                num_tokens=int(offer["num_tokens"]), kv_transfer_params=dict(offer),
+                history=dict(turn.history or {}))
         except (KeyError, TypeError, ValueError):
             log.warning("conversation %s: malformed lease offer from %s", turn.conversation_id,
                         decode_url)
@@ -118,7 +127,7 @@ class Conversations:
         if entry is None:
             return False
         if self._memory:
-            self._released(self.registry.update(turn.tenant, turn.conversation_id, entry))
+            self._released(self._update_memory(turn, entry))
         else:
             self._track(turn, self._store(turn, entry))
         return True
@@ -153,7 +162,13 @@ class Conversations:
         released = await self.state.replace(turn.tenant, turn.conversation_id, entry)
         if released is None:  # not recorded: nobody will offer this lease, free it now
             released = [entry]
+        else:
+            released += await continuation.retire(self.state, turn)
         self._released(released)
+
+    def _update_memory(self, turn: Turn, entry: ConversationEntry) -> list[ConversationEntry]:
+        return (self.registry.update(turn.tenant, turn.conversation_id, entry)
+                + continuation.retire_memory(self.registry, turn))
 
     def _released(self, entries: list[ConversationEntry]) -> None:
         for old in entries:
@@ -169,7 +184,7 @@ class Conversations:
         if reply.get("ok"):
             entry = self._entry_of(turn, decode_url, reply.get("offer"))
             if entry is not None and self._memory:
-                self._released(self.registry.update(turn.tenant, turn.conversation_id, entry))
+                self._released(self._update_memory(turn, entry))
             elif entry is not None:
                 await self._store(turn, entry)
         else:
@@ -206,8 +221,7 @@ class Conversations:
                 return None
             raise LeaseUnavailable(f"decode {entry.decode_url}: {reply.get('error')}")
         offer = reply["offer"]
-        new = ConversationEntry(entry.decode_url, entry.engine_id, entry.lease_id,
-                                float(offer["expiry"]), entry.num_tokens, dict(offer))
+        new = replace(entry, expiry=float(offer["expiry"]), kv_transfer_params=dict(offer))
         await self.state.replace(tenant, conversation_id, new)
         return new
 
@@ -223,6 +237,16 @@ class Conversations:
         return True
 
     # -- internals -----------------------------------------------------------------------
+    @property
+    def secret(self) -> bytes:
+        return self._secret
+
+    async def settle_key(self, tenant: str, conversation_id: str) -> None:
+        await self._settle(tenant, conversation_id)
+
+    def spawn(self, coro: Any) -> None:
+        self._spawn(coro)
+
     async def _settle(self, tenant: str, conversation_id: str) -> None:
         """Wait (bounded) for the conversation's commit in flight, if any."""
         pending = self._pending.get((tenant, conversation_id))

@@ -42,6 +42,7 @@ class DecodeHooks:
     on_stream_done: Callable[[], None] | None = None  # D's `[DONE]` is about to be forwarded
     migration: Migration | None = None  # continues a stream whose D broke
     on_moved: Callable[[Upstream], None] | None = None  # the stream continues on this D
+    on_answer: Callable[[bytes], None] | None = None  # a 200 JSON answer's bytes, before on_d_params
 
 
 async def send_decode(
@@ -77,6 +78,8 @@ async def send_decode(
         try:
             if resp.status_code >= 400 or not stream:
                 data = await resp.aread()
+                if resp.status_code == 200 and hooks.on_answer is not None:
+                    hooks.on_answer(data)
                 if resp.status_code == 200 and hooks.on_d_params is not None:
                     await hooks.on_d_params(kv_params_of(data))
             else:

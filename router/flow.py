@@ -22,7 +22,8 @@ How a request flows (pull):
 Push (header `x-kvferry-mode: push` or body `kvferry_mode: "push"`): `push.py`.
 A stream whose D breaks mid-way continues on another pair (`migrate.py`).
 Conversations (`turns.py`): P is offered the previous turn's KV on D, and D's answer
-commits this turn's lease.
+commits this turn's lease. A short turn skips P: its D serves it from its own prefix
+cache (`d_local.py`, policy in `turn_policy.py`).
 
 Timing for benchmarks: pull responses carry `x-kvferry-prefill-ms` (P leg duration). In
 push the headers leave before P is done, so the value travels in the body instead: a last
@@ -43,6 +44,7 @@ from starlette.responses import Response
 from . import bodies
 from .answers import ms_str, passthrough
 from .context import FlowContext, forward_headers
+from .d_local import route_turn
 from .decode import DecodeHooks, send_decode
 from .migrate import Migration
 from .prefill import build_legs, prefill_with_retry
@@ -79,6 +81,10 @@ async def run_request(
     stream = bodies.wants_stream(clean)
     headers = forward_headers(client_headers, transfer_id)
     migration = Migration(ctx, endpoint, path, clean, headers, turn) if stream else None
+    local = await route_turn(ctx, endpoint, path, clean, headers, stream, started, turn,
+                             client_headers, transfer_id)  # a short turn: its D, no P
+    if local is not None:
+        return local
     if mode == "push":
         return await run_push(ctx, endpoint, path, clean, transfer_id, headers, stream,
                               started, turn, migration=migration)

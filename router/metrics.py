@@ -76,6 +76,50 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.turn_routes = Counter(
+            "kvferry_router_turn_routes",
+            "Requests by where they were prefilled: d_local (the conversation's D, from its "
+            "prefix cache), p_reuse (P, offered D's leased history), p_cold (P, no history).",
+            ["route", "reason"],
+            registry=self.registry,
+        )
+        self.d_local_tokens = Counter(
+            "kvferry_router_d_local_new_tokens",
+            "Estimated new tokens of the turns served D-local (what D prefilled itself).",
+            registry=self.registry,
+        )
+        self.kv_events = Counter(
+            "kvferry_router_kv_events",
+            "KV cache events received from prefill engines (ok), and batches lost (gap) or "
+            "unreadable (malformed).",
+            ["prefill", "result"],
+            registry=self.registry,
+        )
+        self.kv_index_blocks = Gauge(
+            "kvferry_router_kv_index_blocks",
+            "Cached blocks the router knows each prefill engine holds.",
+            ["prefill"],
+            registry=self.registry,
+        )
+        self.kv_aware_choices = Counter(
+            "kvferry_router_kv_aware_choices",
+            "Prefill choices for token-id prompts: a P holding part of the prompt (match), "
+            "or none did (no_match: least loaded).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.kv_aware_matched_tokens = Counter(
+            "kvferry_router_kv_aware_matched_tokens",
+            "Prompt tokens the chosen prefill engine held, by the router's index.",
+            registry=self.registry,
+        )
+        self.content_matches = Counter(
+            "kvferry_router_content_matches",
+            "Chat requests without a conversation id, by whether their content continued a "
+            "recorded turn (hit / miss), and answers that could not be recorded.",
+            ["result"],
+            registry=self.registry,
+        )
 
         # -- fleet: shared state, discovery, health, retries, drain --------------------------
         self.state_errors = Counter(

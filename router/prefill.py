@@ -15,6 +15,7 @@ from kvferry.connectors.protocol import params as kv
 from . import bodies
 from .context import FlowContext, json_headers, passive
 from .errors import RouterError, from_status, from_transport
+from .kv_events import choose_prefill
 from .settings import Mode
 from .upstreams import Upstream
 
@@ -96,7 +97,7 @@ async def prefill_with_retry(
 ) -> tuple[Upstream, httpx.Response, float]:
     """Pull's P leg on the least-loaded P; one more try on another P when it failed (wire
     or 5xx): nothing reached the client yet. Returns (P, its answer, seconds)."""
-    p = ctx.prefill.choose()
+    p = choose_prefill(ctx, body)  # the P holding most of the prompt, if known
     try:
         resp, secs = await post_prefill(ctx, p, path, body, headers)
     except RouterError as err:

@@ -27,6 +27,7 @@ from .context import TIMELINE, FlowContext
 from .conversations import Turn
 from .decode import DecodeHooks, send_decode
 from .errors import RouterError
+from .kv_events import choose_prefill
 from .migrate import Migration
 from .prefill import build_legs, post_prefill, retry_target
 from .sse import InsertBeforeDone, UpstreamStream
@@ -87,7 +88,7 @@ async def run_push(
     disconnects cancels the P leg.
     """
     d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
-    p = ctx.prefill.choose(exclude=exclude)
+    p = choose_prefill(ctx, clean, exclude)
     prefill_kv = ctx.settings.prefill_kv_addr(p.url)
     if prefill_kv is None:
         raise RouterError(400, f"push needs --prefill-kv for {p.url}", "invalid_request_error",

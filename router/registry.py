@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 ANONYMOUS = "anonymous"
@@ -117,6 +117,7 @@ class ConversationEntry:
     num_tokens: int
     kv_transfer_params: Mapping[str, Any] = field(default_factory=dict)  # locations only
     prefix_hashes: tuple[str, ...] = ()
+    history: Mapping[str, Any] = field(default_factory=dict)  # history.record: what D holds
 
 
 class ConversationRegistry:
@@ -160,9 +161,7 @@ class ConversationRegistry:
         e = self._d.get(key)
         if e is None or e.lease_id != lease_id:
             return False
-        self._d[key] = ConversationEntry(e.decode_url, e.engine_id, e.lease_id,
-                                         max(e.expiry, expiry), e.num_tokens,
-                                         e.kv_transfer_params, e.prefix_hashes)
+        self._d[key] = replace(e, expiry=max(e.expiry, expiry))
         return True
 
     def drop(self, tenant: str, conversation_id: str) -> ConversationEntry | None:

@@ -55,6 +55,30 @@ class RouterSettings(BaseModel):
         None, gt=0, description="Lease TTL asked of D per turn (default: D's decoder_kv_blocks_ttl)."
     )
     max_conversations: int = Field(100_000, gt=0, description="Conversation registry bound (LRU).")
+    # -- per-turn route (turn_policy.py: defaults and the measurements behind them) -------
+    d_local_max_new_tokens: int = Field(1024, ge=0, description="A turn with at most this many "
+                                        "new tokens beyond the history its D holds is served by "
+                                        "that D from its prefix cache, without P (0: never).")
+    d_local_busy_tokens_per_s: float = Field(1200.0, ge=0, description="D-local prefill tokens "
+                                             "per second a D with other requests in flight may "
+                                             "take (token bucket per D; 0: only an idle D).")
+    d_local_max_in_flight: int = Field(32, ge=1, description="A D with this many requests open "
+                                       "from this router gets no D-local turn (1: only an idle D).")
+    d_local_chars_per_token: float = Field(3.0, gt=0, description="Characters per token for a "
+                                           "conversation with nothing to calibrate on yet.")
+    content_reuse: bool = Field(True, description="Recognise a chat conversation without an id "
+                                "from its content (history + the answers the router returned), "
+                                "per tenant; an explicit id wins.")
+    # -- KV-aware prefill choice (kv_events.py, kv_index.py) ------------------------------
+    prefill_kv_events: list[str] = Field(default_factory=list, description="vLLM KV cache event "
+                                         "endpoint (`tcp://host:port`, the engine's "
+                                         "--kv-events-config) of each prefill engine, aligned "
+                                         "with prefill_urls; token-id prompts then go to the P "
+                                         "holding most of their prefix, weighed with load.")
+    kv_aware_load_tokens: float = Field(2048.0, ge=0, description="A request in flight on a P "
+                                        "weighs like this many prompt tokens it would compute.")
+    kv_index_max_blocks: int = Field(1_000_000, gt=0, description="Blocks remembered per "
+                                     "prefill engine (LRU).")
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout per upstream call.")
     prefill_timeout_s: float = Field(
         300.0, gt=0, description="Read timeout for the prefill leg (whole prompt compute)."
@@ -144,6 +168,9 @@ class RouterSettings(BaseModel):
         if self.prefill_engine_ids and len(self.prefill_engine_ids) != n_p:
             raise ValueError(f"{len(self.prefill_engine_ids)} prefill engine id(s) for {n_p} "
                              "prefill URL(s)")
+        if self.prefill_kv_events and len(self.prefill_kv_events) != n_p:
+            raise ValueError(f"{len(self.prefill_kv_events)} prefill KV event endpoint(s) for "
+                             f"{n_p} prefill URL(s)")
         n_c, n_d = len(self.decode_control_addrs), len(self.decode_urls)
         if n_c and n_c != n_d:
             raise ValueError(f"{n_c} decode control address(es) for {n_d} decode URL(s)")

@@ -84,7 +84,7 @@ def encode_entry(entry: ConversationEntry) -> bytes:
         "decode_url": entry.decode_url, "engine_id": entry.engine_id, "lease_id": entry.lease_id,
         "expiry": entry.expiry, "num_tokens": entry.num_tokens,
         "kv_transfer_params": dict(entry.kv_transfer_params),
-        "prefix_hashes": list(entry.prefix_hashes),
+        "prefix_hashes": list(entry.prefix_hashes), "history": dict(entry.history),
     }, separators=(",", ":")).encode()
 
 
@@ -98,7 +98,8 @@ def decode_entry(raw: bytes | str | None) -> ConversationEntry | None:
             decode_url=str(d["decode_url"]), engine_id=str(d["engine_id"]),
             lease_id=str(d["lease_id"]), expiry=float(d["expiry"]),
             num_tokens=int(d["num_tokens"]), kv_transfer_params=dict(d["kv_transfer_params"]),
-            prefix_hashes=tuple(d.get("prefix_hashes") or ()))
+            prefix_hashes=tuple(d.get("prefix_hashes") or ()),
+            history=dict(d.get("history") or {}))
     except (ValueError, KeyError, TypeError):
         return None
 

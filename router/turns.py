@@ -7,6 +7,7 @@ from typing import Any
 
 from kvferry.connectors.protocol import params as kv
 
+from . import continuation
 from .context import FlowContext
 from .conversations import Turn
 from .decode import DecodeHooks
@@ -70,4 +71,4 @@ def commit_hooks(ctx: FlowContext, turn: Turn | None, d: Upstream, hooks: Decode
     hooks.on_stream_done = on_stream_end
     hooks.on_success = on_stream_end
     hooks.on_moved = on_moved
-    return hooks
+    return continuation.track(conv, turn, d.url, hooks)  # records what D holds first

@@ -14,6 +14,9 @@ from typing import Any
 HDR_PREFILL = "x-kvferry-prefill"
 HDR_DECODE = "x-kvferry-decode"
 HDR_TRANSFER = "x-kvferry-transfer-id"
+HDR_ROUTE = "x-kvferry-route"
+"""Answers: "d_local" when the conversation's D served the turn from its own prefix cache
+(no P leg). Requests: "prefill" keeps the turn on P (benchmarks, tests)."""
 HDR_PREFILL_MS = "x-kvferry-prefill-ms"
 """Duration of the P leg in ms (absent: no handoff can be derived)."""
 HDR_REUSED = "x-kvferry-reused-tokens"

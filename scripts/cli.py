@@ -89,6 +89,22 @@ def router(
         help="Consecutive failures that eject an engine until it answers /health.")] = 3,
     drain_timeout: Annotated[float, typer.Option(
         help="On SIGTERM, seconds in-flight requests get to finish.")] = 30.0,
+    d_local_max_new_tokens: Annotated[int, typer.Option(
+        envvar="KVFERRY_D_LOCAL_MAX_NEW_TOKENS", help="Turns with at most this many new tokens "
+        "are served by the conversation's decode engine from its cache, without P (0: off).")] = 1024,
+    d_local_busy_tokens_per_s: Annotated[float, typer.Option(
+        envvar="KVFERRY_D_LOCAL_BUSY_TOKENS_PER_S", help="D-local prefill tokens/s a decode "
+        "engine with other requests in flight may take (0: only an idle one).")] = 1200.0,
+    d_local_max_in_flight: Annotated[int, typer.Option(
+        envvar="KVFERRY_D_LOCAL_MAX_IN_FLIGHT", help="No D-local turn for a decode engine with "
+        "this many requests open from this router.")] = 32,
+    prefill_kv_events: Annotated[list[str] | None, typer.Option(
+        help="vLLM KV cache event endpoint (tcp://host:port, the engine's --kv-events-config) "
+        "of each prefill engine, same order as --prefill: token-id prompts go to the P "
+        "holding most of their prefix, weighed with load.")] = None,
+    content_reuse: Annotated[bool, typer.Option(
+        envvar="KVFERRY_CONTENT_REUSE", help="Recognise chat conversations sent without an id "
+        "by their content (per API key).")] = True,
     log_level: str = "info",
 ) -> None:
     """Run the OpenAI-compatible router in front of prefill and decode engines."""
@@ -113,7 +129,10 @@ def router(
             prefill_kv_port=prefill_kv_port, decode_control_port=decode_control_port,
             dns_interval_s=dns_interval,
             health_interval_s=health_interval, eject_after=eject_after,
-            drain_timeout_s=drain_timeout,
+            drain_timeout_s=drain_timeout, d_local_max_new_tokens=d_local_max_new_tokens,
+            d_local_busy_tokens_per_s=d_local_busy_tokens_per_s,
+            d_local_max_in_flight=d_local_max_in_flight, content_reuse=content_reuse,
+            prefill_kv_events=prefill_kv_events or [],
         )
     except ValidationError as exc:
         msgs = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())

@@ -15,14 +15,17 @@ from typing import Any
 
 import httpx
 
-from kvferry.router.wire import HDR_DECODE, HDR_PREFILL, reuse_report
+from kvferry.router.wire import HDR_DECODE, HDR_PREFILL, HDR_ROUTE, reuse_report
 
+TIMETABLE = " ".join(f"Boat {i} leaves pier {i % 7} at {8 + i % 10}:{i % 6}0." for i in range(90))
 TURNS = (
     "Hello! Can you explain what a cache is?",
     "Tell me a short story about a ferry that carries boxes across a wide river.",
-    "Which parts of that story changed when it started to rain?",
+    f"Here is the ferry timetable: {TIMETABLE} Which boat leaves last?",
     "Please summarise the conversation so far in one sentence.",
 )
+"""Short follow-ups (turns 2 and 4) are served by D from its own cache; turn 3 pastes a
+long text, so P computes it, reading the history back from D."""
 
 
 class DemoError(RuntimeError):
@@ -41,8 +44,11 @@ class TurnResult:
     decode: str
     reused: int = 0  # history tokens P read back from D instead of recomputing
     reuse_reason: str = ""  # why (not): "ok", "local_hit_covers", "below_threshold", ...
+    route: str = ""  # "d_local": D served the turn from its own cache, no P
 
     def reuse_note(self) -> str:
+        if self.route == "d_local":
+            return "served by D from its own cache (d_local)"
         why = REUSE_WHY.get(self.reuse_reason, self.reuse_reason)
         return f"{self.reused} history tokens reused" + (f" ({why})" if why else "")
 
@@ -95,7 +101,8 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
     first = ttft or first_event or now
     reused, why = reuse_report(headers, fields) or (0, "")
     return TurnResult("".join(parts), first - t0, now - t0, chunks,
-                      headers.get(HDR_PREFILL, "?"), headers.get(HDR_DECODE, "?"), reused, why)
+                      headers.get(HDR_PREFILL, "-"), headers.get(HDR_DECODE, "?"), reused, why,
+                      headers.get(HDR_ROUTE, ""))
 
 
 def printable(text: str, limit: int = 160) -> str:

@@ -155,12 +155,13 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
 
 
 @contextmanager
-def tiny_stack(tmp_path_factory: Any, extra: dict[str, Any]) -> Iterator[Stack]:
+def tiny_stack(tmp_path_factory: Any, extra: dict[str, Any],
+               router: dict[str, Any] | None = None) -> Iterator[Stack]:
     """The CPU E2E stack: tiny Qwen3 with generated weights, kvferry on both engines."""
     from kvferry.scripts.modelgen import write_model
 
     model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
-    with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=extra) as s:
+    with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=extra, router=router) as s:
         yield s
 
 
@@ -263,11 +264,11 @@ def warm_up(engines: list[Engine], model: str) -> None:
 
 
 def serve_kvferry_router(es: ExitStack, prefills: list[Engine], decodes: list[Engine],
-                         secret: str) -> str:
-    """The router over kvferry engines (generous leg timeouts for CPU CI), until ``es``
-    closes; its URL."""
+                         secret: str, **kw: Any) -> str:
+    """The router over kvferry engines (generous leg timeouts for CPU CI; `kw`: more
+    RouterSettings), until ``es`` closes; its URL."""
     settings = kvferry_router_settings(prefills, decodes, prefill_timeout_s=300,
-                                       decode_timeout_s=300)
+                                       decode_timeout_s=300, **kw)
     url = es.enter_context(serve(create_app(settings, secret.encode())))
     ROUTERS.add(url)
     return url

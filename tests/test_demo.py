@@ -48,3 +48,10 @@ def test_push_turn_reads_the_reuse_event_and_does_not_count_it() -> None:
 def test_unknown_reason_is_shown_as_is() -> None:
     res = TurnResult("", 0.1, 0.2, 1, "P", "D", 0, "lease_expiring")
     assert res.reuse_note() == "0 history tokens reused (lease_expiring)"
+
+
+def test_d_local_turn_says_so() -> None:
+    with _client([_chunk("z")], {"x-kvferry-route": "d_local", "x-kvferry-decode": "D"}) as c:
+        res = stream_chat(c, "http://router", {})
+    assert (res.route, res.prefill, res.decode) == ("d_local", "-", "D")
+    assert res.reuse_note() == "served by D from its own cache (d_local)"

@@ -100,7 +100,9 @@ def cluster(tmp_path_factory):
         ds = [start("decode", c) for c in d_cpus]
         wait_healthy(children, STARTUP_S)
         warm_up(ps + ds, model)
-        yield Cluster(ps, ds, serve_kvferry_router(stack, ps, ds, secret), model)
+        # Conversations go through P (D -> P reuse), not D-local (tests/test_e2e_turns.py).
+        yield Cluster(ps, ds, serve_kvferry_router(stack, ps, ds, secret,
+                                                   d_local_max_new_tokens=0), model)
 
 
 def send(cluster: Cluster, toks: list[int], mode: str, cid: str | None = None

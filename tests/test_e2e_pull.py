@@ -35,7 +35,9 @@ EXTRA = {"recv_timeout_s": 8, "handshake_timeout_s": 3, "send_timeout_s": 20}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with tiny_stack(tmp_path_factory, EXTRA) as s:
+    # No conversations here: a chat request without an id is not leased on D (every block
+    # must be free after each test), which content reuse would do.
+    with tiny_stack(tmp_path_factory, EXTRA, router={"content_reuse": False}) as s:
         yield s
 
 

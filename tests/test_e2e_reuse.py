@@ -33,6 +33,10 @@ BS = 128  # CPU engines' block size
 EXTRA = {"handshake_timeout_s": 3, "lease_free_grace_s": 2.0, "lease_margin_s": 1.5,
          "reuse_read_timeout_s": 1.0}
 
+# Turns go through P so that they exercise D -> P reuse: the router's per-turn policy would
+# serve these short follow-ups on D from its own prefix cache (tests/test_e2e_turns.py).
+P_ONLY = {"d_local_max_new_tokens": 0}
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
@@ -42,7 +46,7 @@ def stack(tmp_path_factory):
 
     model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
     with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=EXTRA,
-                  prefill_args=("--no-enable-prefix-caching",)) as s:
+                  prefill_args=("--no-enable-prefix-caching",), router=P_ONLY) as s:
         yield s
 
 
@@ -214,7 +218,7 @@ def test_heartbeat_expiry_and_release(stack):
     settings = RouterSettings(prefill_urls=[stack.prefill.url], decode_urls=[stack.decode.url],
                               prefill_kv_addrs=[f"127.0.0.1:{stack.prefill.side_port}"],
                               decode_control_addrs=[f"127.0.0.1:{stack.decode.control_port}"],
-                              lease_ttl_s=4.0)
+                              lease_ttl_s=4.0, **P_ONLY)
     with serve(create_app(settings, stack.secret.encode())) as url:
         # Heartbeats keep a short lease alive past its first term.
         t1 = prompt(400, 7)

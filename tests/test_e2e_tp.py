@@ -66,7 +66,8 @@ def stack(request, tmp_path_factory):
         es.callback(stop_all, children)
         wait_healthy(children, STARTUP_S)
         warm_up([p, d], model)
-        router = serve_kvferry_router(es, [p], [d], secret)
+        router = serve_kvferry_router(es, [p], [d], secret,  # turns via P: D -> P reuse
+                                      d_local_max_new_tokens=0)
         # The first transfer between the two engines sets up NIXL/UCX connections, which
         # a CI run saw take past the 60 s READ timeout on two shared cores (D then
         # recomputed, correctly). Set them up here, unasserted; the tests count only

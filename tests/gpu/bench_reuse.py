@@ -201,7 +201,9 @@ def main() -> int:
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     results: dict[tuple[str, str], dict[int, list[list[dict]]]] = {}
     t0 = time.monotonic()
-    with pd_stack(args.model_path, tmp / "logs", backend=args.backend, engine_args=common) as s:
+    # reuse_on rows measure P + D -> P reuse: the router's D-local route is kept out.
+    with pd_stack(args.model_path, tmp / "logs", backend=args.backend, engine_args=common,
+                  router={"d_local_max_new_tokens": 0}) as s:
         print(f"stack up in {time.monotonic() - t0:.0f}s", flush=True)
         p_url, d_url = s.prefill.url, s.decode.url
 
