@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 async def begin(conv: Conversations, tenant: str, view: history.PromptView) -> Turn | None:
     """A content-keyed turn for a request without an id (None: not a chat it can follow)."""
-    from .conversations import Turn
+    from .conversation_turn import Turn
 
     if view.kind != "chat" or view.choices != 1:
         return None

@@ -26,13 +26,13 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from kvferry.connectors.protocol import params as kv
 from kvferry.connectors.transfer import lease_control
 
 from . import continuation, history
+from .conversation_turn import Turn
 from .metrics import RouterMetrics
 from .registry import (
     ConversationEntry,
@@ -53,27 +53,6 @@ class LeaseUnavailable(RuntimeError):
     """D did not answer the lease channel properly (unreachable, refused, internal)."""
 
 
-@dataclass
-class Turn:
-    tenant: str
-    conversation_id: str
-    lease_id: str
-    entry: ConversationEntry | None  # the previous turn's KV, if still leased
-    view: history.PromptView | None = None  # the request's prompt (route policy, content keys)
-    history: dict[str, Any] | None = None  # what D holds once this turn answered
-    continues: str | None = None  # content-keyed: the key of the entry this turn continues
-    content: bool = False  # keyed by content: conversation_id is set once D answered
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.tenant, self.conversation_id)
-
-    def prefill_params(self) -> dict[str, Any]:
-        """Extra kv_transfer_params for P: D's signed lease offer (history to READ)."""
-        return kv.reuse_params(self.entry.kv_transfer_params) if self.entry else {}
-
-    def lease_request(self, ttl: float | None) -> dict[str, Any]:
-        return kv.lease_params(self.lease_id, ttl)
 
 
 class Conversations:
