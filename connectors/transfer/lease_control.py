@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import secret
+from kvferry.connectors.transfer import faults
 from kvferry.connectors.transfer.handshake import ReplyServer
 
 log = logging.getLogger("vllm." + __name__)
@@ -49,6 +50,7 @@ def request(op: str, lease_id: str, ttl: float | None = None, key: bytes | None 
 
 def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None = None) -> dict[str, Any]:
     """One request against a `LeaseKeeper`; never raises."""
+    if faults.ACTIVE and faults.lost("lease_handle"): return faults.unreachable()  # noqa: E701
     k = secret() if key is None else key
     try:
         req = msgspec.msgpack.decode(blob)
@@ -95,6 +97,7 @@ class ControlServer(ReplyServer):
 async def call(host: str, port: int, op: str, lease_id: str, ttl: float | None = None,
                timeout_s: float = 2.0, key: bytes | None = None) -> dict[str, Any]:
     """Router side (asyncio): one request; ``{"ok": False, "error": "unreachable"}`` on timeout."""
+    if faults.ACTIVE and await faults.lost_async("lease_call"): return faults.unreachable()  # noqa: E701
     sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
