@@ -15,9 +15,10 @@ about to be loaded), ``done_hold`` (a finished transfer about to be reported),
 ``lease_handle`` (D answering a lease-control request), ``lease_call`` (the router's
 lease-control request). Actions: ``drop`` (the message is lost, the post or peer set-up
 fails), ``delay`` (sleep ``s`` seconds first; ``done_hold``: report DONE ``s`` seconds
-late). ``p`` is the chance per event, drawn from a generator seeded by the plan's seed and
-``$KVFERRY_FAULTS_TAG`` (which process this is), so a run's decisions replay. Each hit
-is appended as a JSON line to ``<events>/<tag>-<pid>.jsonl``: what the harness counts.
+late). A rule with ``tags`` applies only in the processes named there (their
+``$KVFERRY_FAULTS_TAG``). ``p`` is the chance per event, drawn from a generator seeded by
+the plan's seed and the tag, so a run's decisions replay. Each hit is appended as a
+JSON line to ``<events>/<tag>-<pid>.jsonl``: what the harness counts.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class _Plan:
         if now - self._checked >= RELOAD_S:
             self._checked = now
             self._reload()
-        return [r for r in self.rules if r.get("point") == point]
+        return [r for r in self.rules if r.get("point") == point
+                and (not r.get("tags") or self.tag in r["tags"])]
 
     def _reload(self) -> None:
         try:

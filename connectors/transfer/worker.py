@@ -66,6 +66,7 @@ class _Read:
     peer_keys: list[str]
     strict: bool = False  # a READ that ends after its deadline counts as failed
     notices: list[tuple[Peer, bytes]] = field(default_factory=list)  # sent once all are done
+    release: list[tuple[Peer, bytes]] = field(default_factory=list)  # pull: P's Done, also on failure
 
 
 class TransferWorker:
@@ -308,6 +309,8 @@ class TransferWorker:
                 return
             log.warning("request %s: READ from %s (TP %d -> %d) failed (%s); recomputing",
                         task.req_id, o.remote_engine_id, o.remote_tp_size, self.tp_size, e)
+            for peer, m in msgs if not isinstance(e, ValueError | IndexError) else ():
+                self._release(peer, m)  # nothing of ours reads P's blocks: P frees them now
             if not isinstance(e, ValueError | IndexError):
                 for key in keys:  # re-handshake next time (P may restart)
                     self.transport.drop_peer(key)
@@ -318,6 +321,7 @@ class TransferWorker:
             return
         self._reads[task.req_id] = _Read(task, xfers, now + budget, now, keys,
                                          strict=bool(o.expiry), notices=[] if attach else msgs)
+        self._reads[task.req_id].release = msgs
 
     def _read_budget(self, task: RecvTask) -> float:
         budget = self.cfg.recv_timeout_s
@@ -385,6 +389,8 @@ class TransferWorker:
                             "failed" if state == "ERR" else "timed out")
                 for x in rd.xfers:
                     self.transport.release(x)
+                for peer, msg in rd.release:  # READ aborted: P need not hold its blocks
+                    self._release(peer, msg)
                 for key in rd.peer_keys:
                     self.transport.drop_peer(key)
                 self.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)
