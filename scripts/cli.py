@@ -22,6 +22,7 @@ import typer
 from kvferry.connectors.protocol.params import SECRET_ENV, deployment_secret
 
 from .bench import bench
+from .chaos import chaos
 from .demo import run_demo
 from .engines import BACKENDS, CONNECTORS, ROLES, EngineSpec, engine_argv, engine_env, vllm_engine_id
 from .launch import launch_app
@@ -36,6 +37,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 app.add_typer(launch_app, name="launch")
 app.command(name="bench")(bench)
+app.command(name="chaos")(chaos)
 
 STATE_DIR = Path(".kvferry")
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
