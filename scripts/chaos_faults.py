@@ -222,12 +222,12 @@ class Injector:
             ("malformed", d.url, {**offer, "remote_block_ids": "x", "remote_port": "y",
                                   "kvferry_sig": 5}),
             ("not_an_object", d.url, "garbage"),
+            ("forged_lease_to_prefill", p.url, {"do_remote_decode": True, "transfer_id": "forged",
+                                                "reuse": lease}),
             ("push_unknown_transfer", d.url, {"do_remote_prefill": True, "push": True,
                                               "transfer_id": f"forged-{self.rng.getrandbits(32)}",
                                               "remote_host": "127.0.0.1",
-                                              "remote_port": p.side_port}),
-            ("forged_lease_to_prefill", p.url, {"do_remote_decode": True, "transfer_id": "forged",
-                                                "reuse": lease}),
+                                              "remote_port": p.side_port}),  # last: D waits
         ]
         ev.target = f"{p.name},{d.name}"
         for name, target, params in variants:
