@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from .bench_cli import bench
+from .chaos import chaos
 from .demo import run_demo
 from .engines import HTTP_PORT, ROUTER_PORT
 from .launch import launch_app
@@ -25,6 +26,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 app.add_typer(launch_app, name="launch")
 app.command(name="bench")(bench)
+app.command(name="chaos")(chaos)
 
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import warnings
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -122,20 +122,31 @@ def _warnings_since(engines: list[Engine], marks: list[int]) -> list[str]:
             for ln in e.log().splitlines()[m:] if "WARNING" in ln or "ERROR" in ln]
 
 
+def _router_missing_params(cluster: Cluster) -> float:
+    """Prefill answers without kv_transfer_params the router saw (D then recomputes)."""
+    text = httpx.get(cluster.router + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("kvferry_router_prefill_missing_kv_params_total"))
+
+
 def _spread(cluster: Cluster, seed: int) -> tuple[int, int, list[str]]:
     """Six concurrent requests (pull and push interleaved), each checked against
-    colocated, both P and both D used; (D READs, P WRITEs, the engines' failure events
-    and warnings) during it."""
+    colocated, both P and both D used; (D READs, P WRITEs, what explains a shortfall:
+    the round's duration, prefill answers without params, the engines' failure events and
+    warnings)."""
     jobs = [(n, "pull" if i % 2 == 0 else "push") for i, n in
             enumerate((200, 700, 129, 400, 500, 300))]
     toks = {n: prompt(n, seed + n) for n, _ in jobs}
     want = {n: cluster.colocated(t) for n, t in toks.items()}
     p0, d0 = stats_of(cluster.prefills), stats_of(cluster.decodes)
     e0 = {id(e): e.stats() for e in cluster.engines}
+    missing = _router_missing_params(cluster)
     marks = [len(e.log().splitlines()) for e in cluster.engines]
+    t0 = time.monotonic()
     with ThreadPoolExecutor(len(jobs)) as pool:
         futs = {n: pool.submit(send, cluster, toks[n], mode) for n, mode in jobs}
         got = {n: f.result() for n, f in futs.items()}
+    took = time.monotonic() - t0
     for n, (resp, _) in got.items():
         assert_same_output(resp, want[n])
     used_p = {h["x-kvferry-prefill"] for _, h in got.values()}
@@ -147,27 +158,33 @@ def _spread(cluster: Cluster, seed: int) -> tuple[int, int, list[str]]:
     d1 = stats_of(cluster.decodes)
     reads = d1["reads_done"] - d0["reads_done"]
     writes = settled_writes(cluster.prefills, p0, d1["push_received"] - d0["push_received"])
+    no_params = _router_missing_params(cluster) - missing
     for e in cluster.engines:
         wait_until(lambda e=e: e.kv_usage() == 0, 150, f"{e.role} {e.url} to free its blocks")
     failed = [f"{e.role} {e.url}: {ev.name} {ev.key} {ev.detail}" for e in cluster.engines
               for ev in e.stats().since(e0[id(e)]) if ev.name in FAILURE_EVENTS]
-    return reads, writes, failed + _warnings_since(cluster.engines, marks)
+    why = [f"round took {took:.1f}s", f"prefill answers without kv_transfer_params: "
+           f"{no_params:.0f}", *failed, *_warnings_since(cluster.engines, marks)]
+    return reads, writes, why
 
 
 def test_requests_spread_over_both_pairs(cluster):
     """Every request moved its KV: the three pulls as D READs, the three pushes as P WRITEs.
 
-    Outputs are checked strictly every time. A CI run once saw all three pulls of this
-    scenario fall back to recomputation (correct outputs, no READ) with only P's log in
-    the report; until the cause is known, one such round is reported as a pytest warning,
-    with every engine's warnings, and the scenario is run once more with new prompts,
-    which must move all KV."""
-    reads, writes, warned = _spread(cluster, 1000)
-    if (reads, writes) != (3, 3):
-        warnings.warn(f"2P2D round 1 moved {reads}/3 READs, {writes}/3 WRITEs; engines' "
-                      f"warnings: {warned[:12]}", stacklevel=1)
-        reads, writes, warned = _spread(cluster, 5000)
-    assert (reads, writes) == (3, 3), warned[:20]
+    CI at 8c520c2 once saw all three pulls recompute (outputs right, 0 READs) and P log
+    "no decode read its KV within 120s": that round lasted over 120 s. The same run was
+    reproduced here with the four engines on one core (tests/chaos/stress_2p2d.py
+    --one-core, UCX_TLS=^cma): in round 1 both P engines took no new request for 35 s
+    (their API servers kept answering /health) and their side channels did not answer;
+    each D's transfer thread, which does the handshake with a new P before its first
+    READ or push registration, waited on it (gdb: zmq recv of `handshake.fetch`, 60 s
+    timeout); in one run a registration failed ("no handshake ... within 60.0s"), a READ
+    timed out and D recomputed. A READ D gave up never told P, so P held the blocks for
+    120 s; it now does (tests/test_read_release.py). Why P stops taking requests then is
+    not known yet; when a round falls short again, the assertion names D's reason (its
+    warnings) and the round's duration. There is no second round."""
+    reads, writes, why = _spread(cluster, 1000)
+    assert (reads, writes) == (3, 3), why[:24]
 
 
 def converse(cluster: Cluster, cid: str, mode: str, seed: int, turns: int = 3) -> list:

@@ -71,7 +71,10 @@ def stack(request, tmp_path_factory):
         # The first transfer between the two engines sets up NIXL/UCX connections, which
         # a CI run saw take past the 60 s READ timeout on two shared cores (D then
         # recomputed, correctly). Set them up here, unasserted; the tests count only
-        # their own transfers.
+        # their own transfers. What it waits for: D's first handshake with P, done on
+        # D's transfer thread; right after start-up a starved P was seen to answer
+        # neither requests nor its side channel for 35-60 s (tests/test_e2e_2p2d.py
+        # says more; why P stalls is still open, issue #18).
         for mode in ("pull", "push"):
             routed(router, model, prompt(100, 1), mode)
         yield p, d, router, model

@@ -29,7 +29,9 @@ def test_router_drives_vllm_builtin_connector(tmp_path_factory, mode: str) -> No
         # failure, e.g. when its side-channel handshake waits more than 5 s (zmq RCVTIMEO).
         # A 2-core CI host saw one unexplained 500 in ~6 runs. One failure that D's
         # connector counted as a failed NIXL transfer is retried (and printed); any other
-        # failure, or a second one, fails the test.
+        # failure, or a second one, fails the test. Likely the first-handshake stall of a
+        # starved engine right after start (35-60 s seen here, tests/test_e2e_2p2d.py),
+        # far past vLLM's 5 s; kept until that stall is explained (issue #18).
         failed0 = s.decode.metric(FAILED)
         retried = False
         for _ in range(2):  # the second request reuses the NIXL connection

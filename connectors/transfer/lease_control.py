@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import mac, mac_ok
+from kvferry.connectors.transfer import faults
 from kvferry.connectors.transfer.handshake import ReplyServer
 
 log = logging.getLogger("vllm." + __name__)
@@ -54,6 +55,7 @@ def request(op: str, lease_id: str, ttl: float | None = None, key: bytes | None 
 
 def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None = None) -> dict[str, Any]:
     """One request against a `LeaseKeeper`; never raises."""
+    if faults.ACTIVE and faults.lost("lease_handle"): return faults.unreachable()  # noqa: E701
     try:
         req = _decoder.decode(blob)
         # Finite numbers (a NaN ts would pass the staleness check) are checked here, so
@@ -97,6 +99,7 @@ class ControlServer(ReplyServer):
 async def call(host: str, port: int, op: str, lease_id: str, ttl: float | None = None,
                timeout_s: float = 2.0, key: bytes | None = None) -> dict[str, Any]:
     """Router side (asyncio): one request; ``{"ok": False, "error": "unreachable"}`` on timeout."""
+    if faults.ACTIVE and await faults.lost_async("lease_call"): return faults.unreachable()  # noqa: E701
     sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:

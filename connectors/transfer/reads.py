@@ -29,6 +29,7 @@ class _Read:
     engine_tp: int
     strict: bool = False  # a READ that ends after its deadline counts as failed
     notices: list[tuple[Peer, bytes]] = field(default_factory=list)  # sent once all are done
+    release: list[tuple[Peer, bytes]] = field(default_factory=list)  # pull: P's Done, also on failure
 
 
 class Reads(RankPart):
@@ -76,16 +77,15 @@ class Reads(RankPart):
                         task.req_id, o.remote_engine_id, o.remote_tp_size, self.ranks.tp_size, e)
             self.stats.event("reads_failed", task.req_id, f"not started: {e}")
             self.stats.event("recomputes", task.req_id, "READ not started")
+            for peer, m in msgs:  # nothing of ours reads P's blocks: P frees them now
+                self.peers.send(peer, m)
             if not isinstance(e, ValueError | IndexError):
                 self.peers.drop_engine(o.remote_engine_id, o.remote_tp_size)  # P may restart
-            else:  # bad ids or an impossible split, good peers: let P free now
-                for peer, m in msgs:
-                    self.peers.send(peer, m)
             self.out.report(recvd={task.req_id}, bad_blocks=task.local_block_ids)
             return
         self._reads[task.req_id] = _Read(task, xfers, now + budget, now, o.remote_engine_id,
                                          o.remote_tp_size, strict=bool(o.expiry),
-                                         notices=[] if attach else msgs)
+                                         notices=[] if attach else msgs, release=msgs)
 
     def _read_budget(self, task: RecvTask) -> float:
         budget = self.recv_timeout_s
@@ -152,5 +152,7 @@ class Reads(RankPart):
                 self.stats.event("recomputes", req_id, "READ did not complete")
                 for x in rd.xfers:
                     self.transport.release(x)
+                for peer, msg in rd.release:  # READ aborted: P need not hold its blocks
+                    self.peers.send(peer, msg)
                 self.peers.drop_engine(rd.engine_id, rd.engine_tp)
                 self.out.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvferry.connectors.memory.backends import KVLayout
 from kvferry.connectors.protocol.tp_map import Segment
+from kvferry.connectors.transfer import faults
 from kvferry.connectors.transfer.layout import (
     check_compatible,
     check_head_compatible,
@@ -176,6 +177,7 @@ class Transport:
     def add_peer(self, key: str, agent_metadata: bytes, layout: KVLayout) -> Peer:
         """Add (or refresh) a remote agent; refuses layouts we cannot copy block-for-block
         (same heads per rank) or head segment by head segment (different TP sizes)."""
+        if faults.ACTIVE: faults.fail("peer_add")  # noqa: E701 (test-only hook, faults.py)
         if layout.num_heads == self.layout.num_heads:
             check_compatible(self.layout, layout)
         else:
@@ -259,6 +261,7 @@ class Transport:
         once all lanes are done. WRITEs keep one request so the notification is ordered
         after the data by NIXL itself.
         """
+        if faults.ACTIVE: faults.fail("post")  # noqa: E701 (test-only hook, faults.py)
         if seg is None:
             loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids, merge)
         else:
@@ -300,6 +303,7 @@ class Transport:
                 log.warning("transfer to %s: %s", xfer.peer, e)
                 states.append(XferState.ERR)
         xfer.state = combined(states)
+        xfer.state = faults.held(xfer, xfer.state) if faults.ACTIVE else xfer.state
         if xfer.state != XferState.PROC:
             self.release(xfer)
             if xfer.state == XferState.DONE and xfer.notif_after:
@@ -320,12 +324,14 @@ class Transport:
 
     # -- notifications ---------------------------------------------------------------------
     def notify(self, peer: Peer, msg: bytes) -> None:
+        if faults.ACTIVE and faults.lost("notify"): return  # noqa: E701 (test-only hook)
         self.agent.send_notif(peer.agent_name, msg)
 
     def notifications(self) -> list[bytes]:
         out: list[bytes] = []
         for msgs in self.agent.get_new_notifs().values():
             out.extend(msgs)
+        out = faults.kept("notif_in", out) if faults.ACTIVE else out  # test-only hook
         return out
 
     def close(self) -> None:
