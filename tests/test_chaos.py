@@ -56,4 +56,6 @@ def test_chaos_books_balance(tmp_path, capsys):
         bad_request = o.kind == "error" and 400 <= o.status < 500
         # (a connection error only while its engine was being killed: the books say so)
         assert o.kind in ("ok", "conn_error") or bad_request, (name, o.kind, o.status, o.detail)
-    assert forged["client_params_to_router"].kind == "ok", forged["client_params_to_router"]
+    # The router drops client-supplied params: the right answer (or, in flight when the
+    # router was killed, a broken connection, which the books allow only then).
+    assert forged["client_params_to_router"].kind in ("ok", "conn_error")
