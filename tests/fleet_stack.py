@@ -72,7 +72,8 @@ class RouterProcess:
 
     def __init__(self, args: list[str], secret: str, log_path: Path) -> None:
         self.args = args
-        self.env = {**os.environ, SECRET_ENV: secret}
+        # Every turn through P (D-local short turns off): these tests count D -> P reuse.
+        self.env = {**os.environ, SECRET_ENV: secret, "KVFERRY_D_LOCAL_MAX_NEW_TOKENS": "0"}
         self.log_path = log_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

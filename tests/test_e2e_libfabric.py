@@ -39,7 +39,8 @@ def stack(tmp_path_factory):
         # P without prefix caching, as if it had evicted a conversation's history: reuse
         # then READs it back from D (tests/test_e2e_reuse.py does the same over UCX).
         with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=EXTRA,
-                      prefill_args=("--no-enable-prefix-caching",)) as s:
+                      prefill_args=("--no-enable-prefix-caching",),
+                      router={"d_local_max_new_tokens": 0}) as s:  # turns via P: reuse READs
             yield s
     finally:
         mp.undo()
