@@ -8,6 +8,7 @@ its metadata twice would invalidate the transfers in flight to it.
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
@@ -44,7 +45,9 @@ class Peers:
         peer = self.transport.peer(key)
         if peer is not None:
             return engine_id or self._engine[key], peer
+        t0 = time.monotonic()
         hello = self._hello(host, port + rank)
+        t1 = time.monotonic()
         found = hello.engine_id
         if engine_id and found != engine_id:
             raise HandshakeError(f"{host}:{port} is engine {found!r}, expected {engine_id!r}")
@@ -53,6 +56,8 @@ class Peers:
         ekey, akey = peer_key(rank, found), peer_key(rank, None, host, port)
         if self.transport.peer(ekey) is None or self._instances.get(ekey) != hello.instance:
             self.transport.add_peer(ekey, hello.metadata, KVLayout.from_wire(hello.layout))
+        log.info("kvferry met %s rank %d at %s:%d: hello %.1f ms, agent added in %.1f ms",
+                 found, rank, host, port + rank, (t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3)
         peer = self.transport.alias(akey, ekey)
         for k in (ekey, akey):
             self._engine[k] = found
