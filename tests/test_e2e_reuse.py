@@ -178,7 +178,7 @@ def test_forged_history_changes_the_answer(stack):
              logprobs=None)
     import asyncio
 
-    from kvferry.connectors.transfer import lease_control
+    from kvferry.router import lease_control
 
     got = asyncio.run(lease_control.call("127.0.0.1", stack.decode.control_port, "info", lid,
                                          key=stack.secret.encode()))
