@@ -28,9 +28,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from kvferry.connectors.transfer import lease_control
-
-from . import history
+from . import history, lease_control
 from .answer_capture import AnswerCapture, answer_of_json
 from .history import Answer
 from .registry import ConversationEntry, ConversationRegistry

@@ -29,9 +29,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from kvferry.connectors.transfer import lease_control
-
-from . import continuation, history
+from . import continuation, history, lease_control
 from .conversation_turn import Turn
 from .metrics import RouterMetrics
 from .registry import (

@@ -168,15 +168,6 @@ class ConversationRegistry:
         """Forget the conversation; returns the entry so D can be told to release it."""
         return self._d.pop((tenant, conversation_id), None)
 
-    def sweep(self, now: float) -> list[ConversationEntry]:
-        """Remove every expired entry (their leases already ended on D)."""
-        dead = [k for k, e in self._d.items() if now >= e.expiry]
-        return [self._d.pop(k) for k in dead]
-
-    def entries_on(self, engine_id: str) -> list[tuple[str, str]]:
-        """Keys whose KV lives on ``engine_id`` (to drop them when that D goes away)."""
-        return [k for k, e in self._d.items() if e.engine_id == engine_id]
-
     @property
     def size(self) -> int:
         return len(self._d)

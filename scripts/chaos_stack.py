@@ -10,9 +10,7 @@ in memory, so a killed router forgets its conversations (their leases end by TTL
 from __future__ import annotations
 
 import contextlib
-import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,7 +24,7 @@ from kvferry.connectors.transfer.faults import ENV as FAULTS_ENV
 from kvferry.connectors.transfer.faults import TAG_ENV as FAULTS_TAG_ENV
 
 from .engines import EngineSpec, available_cpus, engine_argv, engine_env
-from .procs import Child, stop_all, wait_healthy
+from .procs import Child, free_port, stop_all, wait_healthy
 
 CHAOS_EXTRA: dict[str, Any] = {
     # Short enough that every fault settles inside a run, long enough for two shared
@@ -50,28 +48,6 @@ def settle_bound_s(extra: dict[str, Any] = CHAOS_EXTRA) -> float:
              extra["send_timeout_s"], extra["push_register_timeout_s"],
              extra["push_recv_timeout_s"] + extra["push_quarantine_s"])
     return max(holds) + 30.0
-
-
-def free_port(taken: set[int]) -> int:
-    """A port free now, below the ephemeral range and 8 away from the others (engines
-    bind port + TP rank; an ephemeral port may be taken by an outgoing socket later)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(20000, low - 8)
-        if any(abs(port - t) < 8 for t in taken):
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        taken.add(port)
-        return port
-    raise RuntimeError("no free port")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from . import sse_client
 from .modelgen import CORPUS
 
 # First-step top-5 logprobs within TOL of the reference. tests/stack.py allows 0.15 for
@@ -100,29 +101,18 @@ def answer(endpoint: str, resp: dict[str, Any]) -> dict[str, Any]:
     return {"text": ch.get("text", ""), "tokens": ch.get("token_ids"), "top": lp[0]}
 
 
-def streamed(endpoint: str, lines: list[str]) -> tuple[dict[str, Any] | None, str]:
-    """(answer, problem) from an SSE body: problem is "error: ..." for an in-band error
-    event, "truncated" when [DONE] never came."""
-    text, toks, done = [], [], False
-    for ln in lines:
-        if not ln.startswith("data: "):
-            continue
-        data = ln[6:].strip()
-        if data == "[DONE]":
-            done = True
-            continue
-        ev = json.loads(data)
-        if "error" in ev:
-            return None, f"error: {str(ev['error'])[:200]}"
+def streamed(endpoint: str, lines: list[str]) -> dict[str, Any]:
+    """tokens / text of an SSE body; `sse_client.StreamError` for an in-band error event,
+    a malformed event or a missing [DONE]."""
+    text, toks = [], []
+    for ev in sse_client.events(lines):
         for ch in ev.get("choices") or []:
             if endpoint == "chat":
                 text.append((ch.get("delta") or {}).get("content") or "")
             else:
                 text.append(ch.get("text") or "")
                 toks.extend(ch.get("token_ids") or [])
-    if not done:
-        return None, "truncated"
-    return {"text": "".join(text), "tokens": toks or None, "top": None}, ""
+    return {"text": "".join(text), "tokens": toks or None, "top": None}
 
 
 def differs(got: dict[str, Any], want: dict[str, Any]) -> str:
@@ -178,9 +168,11 @@ def classify(item: Item, status: int, raw: str) -> tuple[str, int, str]:
     if item.expect == "error":
         return "wrong", status, f"expected an error, got {status}: {raw[:200]}"
     if item.stream:
-        got, problem = streamed(item.endpoint, raw.splitlines())
-        if got is None:
-            return ("error" if problem.startswith("error") else "truncated"), status, problem
+        try:
+            got = streamed(item.endpoint, raw.splitlines())
+        except sse_client.StreamError as e:  # a malformed event is no clear error
+            kind = e.kind if e.kind in ("error", "truncated") else "unclear_error"
+            return kind, status, "truncated" if e.kind == "truncated" else str(e)
     else:
         try:
             got = answer(item.endpoint, json.loads(raw))

@@ -7,6 +7,7 @@ conversation, stop everything (process groups, no orphans) and exit with the dem
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -41,6 +42,18 @@ def model(
     """Write a model dir (config + locally trained tokenizer [+ generated weights])."""
     choice(shape, tuple(SHAPES), "--shape")
     typer.echo(str(write_model(out_dir, shape, weights)))
+
+
+def wire_router_faults() -> None:
+    """In a chaos run's router ($KVFERRY_FAULTS names a fault plan) its lease-control calls
+    meet the plan's ``lease_call`` point; the router may not import the connectors' fault
+    hooks itself (pyproject.toml's contracts), so the process that starts it does."""
+    from kvferry.connectors.transfer import faults
+
+    if faults.ACTIVE:
+        from kvferry.router import lease_control
+
+        lease_control.fault_hook = functools.partial(faults.lost_async, "lease_call")
 
 
 @app.command()
@@ -113,6 +126,7 @@ def router(
     from kvferry.router.app import serve
     from kvferry.router.settings import RouterSettings
 
+    wire_router_faults()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     from pydantic import ValidationError

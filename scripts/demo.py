@@ -17,6 +17,8 @@ import httpx
 
 from kvferry.router.wire import HDR_DECODE, HDR_PREFILL, HDR_ROUTE, reuse_report
 
+from . import sse_client
+
 TIMETABLE = " ".join(f"Boat {i} leaves pier {i % 7} at {8 + i % 10}:{i % 6}0." for i in range(90))
 TURNS = (
     "Hello! Can you explain what a cache is?",
@@ -69,34 +71,31 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
     first_event: float | None = None
     parts: list[str] = []
     chunks = 0
-    done = False
     fields: dict[str, Any] = {}  # push mode: the router's fields ride in an SSE event
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise DemoError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise DemoError(f"stream error: {event['error']}")
-            fields.update({k: v for k, v in event.items() if k.startswith("kvferry_")})
-            if not event.get("choices"):
-                continue
-            first_event = first_event or time.perf_counter()
-            chunks += 1
-            for choice in event.get("choices", []):
-                text = (choice.get("delta") or {}).get("content") or ""
-                if text:
-                    ttft = ttft or time.perf_counter()
-                    parts.append(text)
+        try:
+            for event in sse_client.events(r.iter_lines()):
+                fields.update({k: v for k, v in event.items() if k.startswith("kvferry_")})
+                if not event.get("choices"):
+                    continue
+                first_event = first_event or time.perf_counter()
+                chunks += 1
+                for choice in event.get("choices", []):
+                    text = (choice.get("delta") or {}).get("content") or ""
+                    if text:
+                        ttft = ttft or time.perf_counter()
+                        parts.append(text)
+        except sse_client.StreamError as e:
+            if e.kind == "error":
+                raise DemoError(f"stream error: {e.detail}") from None
+            if e.kind == "truncated":
+                raise DemoError("stream ended without [DONE]" if chunks else "empty stream") from None
+            raise DemoError(f"stream event is no JSON object: {e.detail}") from None
         headers = r.headers
-    if not done or chunks == 0:
-        raise DemoError("stream ended without [DONE]" if chunks else "empty stream")
+    if chunks == 0:
+        raise DemoError("empty stream")
     now = time.perf_counter()
     first = ttft or first_event or now
     reused, why = reuse_report(headers, fields) or (0, "")

@@ -17,7 +17,6 @@ import json
 import random
 import secrets
 import shlex
-import socket
 import sys
 import tempfile
 import threading
@@ -32,13 +31,13 @@ from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.scripts.bench import git_commit
 from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env
 from kvferry.scripts.modelgen import write_model
-from kvferry.scripts.procs import Child, stop_all, wait_healthy
+from kvferry.scripts.procs import Child, free_port, stop_all, wait_healthy
+
+_TAKEN: set[int] = set()
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port(_TAKEN)
 
 
 def _engine(role: str, model: str, logs: Path, secret: str, cpu: int, extra: dict) -> tuple:

@@ -1,4 +1,5 @@
-"""Child processes in their own process groups, so stopping one leaves no orphans.
+"""Child processes in their own process groups, so stopping one leaves no orphans, and
+the free ports they are started on.
 
 vLLM spawns engine-core and worker processes; signalling only the API server would leave
 them behind, so every child gets a new session and is stopped with killpg.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +19,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+PORT_GAP = 8
+"""Ports `free_port` hands out stay this far apart: an engine also binds port + TP rank."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(taken: set[int]) -> int:
+    """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range and at least
+    PORT_GAP away from every port in ``taken`` (to which it is added).
+
+    Children bind it seconds later (engines: tens of seconds); an OS-picked (ephemeral)
+    port can be taken by then by any process's outgoing connection or ZMQ socket (CI lost
+    a run to "Address already in use" on a side channel)."""
+    rng = random.Random()
+    hi = _ephemeral_low() - PORT_GAP
+    for _ in range(1000):
+        port = rng.randrange(20000, hi)
+        if any(abs(port - t) < PORT_GAP for t in taken):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 class StartupError(RuntimeError):

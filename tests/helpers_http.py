@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import socket
 import threading
 import time
@@ -21,39 +20,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvferry.connectors.protocol.lease import LeaseError
+from kvferry.scripts import procs
 
 _GIVEN: set[int] = set()
 
 
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range.
-
-    Engines bind it tens of seconds later; an OS-picked (ephemeral) port can be taken by
-    then by any process's outgoing connection or ZMQ socket (CI lost a run to "Address
-    already in use" on a side channel). Ports handed out here stay 8 apart, because
-    engines also bind port + TP rank."""
-    rng = random.Random()
-    hi = _ephemeral_low() - 8
-    for _ in range(1000):
-        port = rng.randrange(20000, hi)
-        if any(abs(port - g) < 8 for g in _GIVEN):
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _GIVEN.add(port)
-        return port
-    raise RuntimeError("no free TCP port below the ephemeral range")
+    """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range (engines bind it
+    tens of seconds later), and procs.PORT_GAP (8) from every other port handed out in
+    this process, because engines also bind port + TP rank."""
+    return procs.free_port(_GIVEN)
 
 
 def lease_reason(keeper: Any, lease_id: str) -> str | None:

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_http import free_port
 from typer.testing import CliRunner
 
 from kvferry.router.settings import RouterSettings
@@ -249,18 +249,6 @@ def test_model_command(tmp_path: Path) -> None:
     assert runner.invoke(cli.app, ["model", str(tmp_path / "x"), "--shape", "nope"]).exit_code
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct free ports (all sockets are held until every port is picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def _fake_engines(monkeypatch: pytest.MonkeyPatch, crash: str | None = None) -> None:
     def argv(spec: EngineSpec) -> list[str]:
         if spec.role == crash:
@@ -271,7 +259,7 @@ def _fake_engines(monkeypatch: pytest.MonkeyPatch, crash: str | None = None) -> 
 
 
 def _ports() -> list[str]:
-    p, d, r = _free_ports(3)
+    p, d, r = free_port(), free_port(), free_port()
     return ["--prefill-port", str(p), "--decode-port", str(d), "--router-port", str(r)]
 
 

@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from fleet_stack import RedisServer
 from helpers_http import free_port
-from test_router_fleet import RedisServer
 
 from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import SECRET_ENV

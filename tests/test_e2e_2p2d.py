@@ -20,56 +20,23 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
 
 import httpx
 import pytest
+from helpers_2p2d import EXTRA, SPREAD_JOBS, Cluster, send, start_cluster
+from helpers_reuse import expected_reuse, out_tokens, reused_of
 from stack import (
     FAILURE_EVENTS,
-    STARTUP_S,
     Engine,
     assert_same_output,
-    complete,
     prompt,
-    serve_kvferry_router,
     settled_writes,
-    start_engine,
     stats_of,
     wait_until,
-    warm_up,
 )
-from test_e2e_reuse import expected_reuse, out_tokens, reused_of
 
-from kvferry.scripts.engines import available_cpus
-from kvferry.scripts.procs import stop_all, wait_healthy
-
-SHARED_CORES = len(available_cpus()) < 4
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     os.environ.get("KVFERRY_TEST_2P2D_SKIP") == "1", reason="KVFERRY_TEST_2P2D_SKIP=1")]
-
-# Engines that share cores are slow: timeouts generous enough that a slow (not stalled)
-# transfer does not fall back to recompute.
-EXTRA = {"handshake_timeout_s": 60, "recv_timeout_s": 90, "send_timeout_s": 120,
-         "push_hold_timeout_s": 60, "push_register_timeout_s": 60, "push_recv_timeout_s": 90,
-         "push_quarantine_s": 1, "lease_free_grace_s": 10, "lease_margin_s": 10,
-         "reuse_read_timeout_s": 8}
-
-
-@dataclass
-class Cluster:
-    prefills: list[Engine]
-    decodes: list[Engine]
-    router: str
-    model: str
-
-    @property
-    def engines(self) -> list[Engine]:
-        return self.prefills + self.decodes
-
-    def colocated(self, toks: list[int]) -> dict:
-        """The reference: P0 serves the whole request itself (no kv params)."""
-        return complete(self.prefills[0].url, self.model, toks)
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -79,42 +46,9 @@ def cluster(tmp_path_factory):
     ConnectorConfig.from_extra(EXTRA)  # fail here, not after four engine start-ups
     model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
     logs = tmp_path_factory.mktemp("logs")
-    secret = secrets.token_hex(16)
-    cpus = available_cpus()
-    if SHARED_CORES:  # P0+D1 on the first core, P1+D0 on the last
-        p_cpus, d_cpus = (cpus[0], cpus[-1]), (cpus[-1], cpus[0])
-    else:
-        p_cpus, d_cpus = (cpus[0], cpus[1]), (cpus[2], cpus[3])
     with ExitStack() as stack:
-        children: list = []
-        stack.callback(stop_all, children)
-
-        def start(role: str, cpu: int, args: tuple[str, ...] = ()) -> Engine:
-            e = start_engine(role, model, logs, secret, extra=EXTRA, cpus=(cpu,),
-                             engine_args=args)
-            children.append(e.child)
-            return e
-
-        no_cache = ("--no-enable-prefix-caching",)
-        ps = [start("prefill", c, no_cache) for c in p_cpus]
-        ds = [start("decode", c) for c in d_cpus]
-        wait_healthy(children, STARTUP_S)
-        warm_up(ps + ds, model)
         # Conversations go through P (D -> P reuse), not D-local (tests/test_e2e_turns.py).
-        yield Cluster(ps, ds, serve_kvferry_router(stack, ps, ds, secret,
-                                                   d_local_max_new_tokens=0), model)
-
-
-def send(cluster: Cluster, toks: list[int], mode: str, cid: str | None = None
-         ) -> tuple[dict, httpx.Headers]:
-    body = {"model": cluster.model, "prompt": toks, "max_tokens": 12, "temperature": 0,
-            "logprobs": 5, "return_token_ids": True}
-    if cid is not None:
-        body["conversation_id"] = cid
-    r = httpx.post(cluster.router + "/v1/completions", json=body, timeout=400,
-                   headers={"x-kvferry-mode": mode})
-    r.raise_for_status()
-    return r.json(), r.headers
+        yield start_cluster(stack, model, logs, secrets.token_hex(16), d_local_max_new_tokens=0)
 
 
 def _warnings_since(engines: list[Engine], marks: list[int]) -> list[str]:
@@ -134,8 +68,7 @@ def _spread(cluster: Cluster, seed: int) -> tuple[int, int, list[str]]:
     colocated, both P and both D used; (D READs, P WRITEs, what explains a shortfall:
     the round's duration, prefill answers without params, the engines' failure events and
     warnings)."""
-    jobs = [(n, "pull" if i % 2 == 0 else "push") for i, n in
-            enumerate((200, 700, 129, 400, 500, 300))]
+    jobs = SPREAD_JOBS
     toks = {n: prompt(n, seed + n) for n, _ in jobs}
     want = {n: cluster.colocated(t) for n, t in toks.items()}
     p0, d0 = stats_of(cluster.prefills), stats_of(cluster.decodes)

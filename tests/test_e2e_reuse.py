@@ -14,6 +14,7 @@ import uuid
 import httpx
 import pytest
 from helpers_http import serve
+from helpers_reuse import BS, expected_reuse, out_tokens, reused_of
 from stack import (
     assert_no_engine_fields,
     assert_same_output,
@@ -29,7 +30,6 @@ from kvferry.router.settings import RouterSettings
 
 pytestmark = pytest.mark.engine
 
-BS = 128  # CPU engines' block size
 EXTRA = {"handshake_timeout_s": 3, "lease_free_grace_s": 2.0, "lease_margin_s": 1.5,
          "reuse_read_timeout_s": 1.0}
 
@@ -65,33 +65,12 @@ def turn(url: str, model: str, toks: list[int], cid: str | None, key: str | None
     return r.json(), r.headers
 
 
-def out_tokens(resp: dict) -> list[int]:
-    return list(resp["choices"][0]["token_ids"])
-
-
-def expected_reuse(prev_prompt: list[int], prev_out: list[int], new_prompt: list[int]) -> int:
-    """Full blocks of D's KV (prompt + all but the last generated token) that P's new
-    prompt starts with, never its last token."""
-    held = prev_prompt + prev_out[:-1]
-    same = 0
-    while same < min(len(held), len(new_prompt)) and held[same] == new_prompt[same]:
-        same += 1
-    return min(same, len(held) // BS * BS, (len(new_prompt) - 1)) // BS * BS
-
-
 def metric(url: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def reused_of(headers: httpx.Headers, body: dict | None = None) -> int:
-    """Tokens P read back from D: a header for pull; for push (whose P leg answers in the
-    background, before D's answer since D waits for P's WRITE) a field of D's body."""
-    return int(headers.get("x-kvferry-reused-tokens")
-               or (body or {}).get("kvferry_reused_tokens", 0))
 
 
 def converse(stack, cid: str, turns: int = 3, seed: int = 0, first: int = 300, mode: str = "pull"):
@@ -199,7 +178,7 @@ def test_forged_history_changes_the_answer(stack):
              logprobs=None)
     import asyncio
 
-    from kvferry.connectors.transfer import lease_control
+    from kvferry.router import lease_control
 
     got = asyncio.run(lease_control.call("127.0.0.1", stack.decode.control_port, "info", lid,
                                          key=stack.secret.encode()))

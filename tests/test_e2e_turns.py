@@ -34,7 +34,7 @@ from stack import (
     wait_until,
 )
 
-from kvferry.connectors.transfer import lease_control
+from kvferry.router import lease_control
 from kvferry.router.app import create_app
 from kvferry.router.history import CONTENT_KEY_PREFIX
 from kvferry.router.registry import ANONYMOUS

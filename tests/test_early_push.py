@@ -1,22 +1,21 @@
 """Early push: P's WRITE starts when the forward that completes a prompt is done.
 
 Scheduler planning is pure; the worker side runs two in-process TransferWorkers over real
-NIXL (test_worker's harness). The fence stands in for a CUDA event (FakeFence).
+NIXL (tests/helpers_workers.py). The fence stands in for a CUDA event (FakeFence).
 """
 
 from __future__ import annotations
 
 import threading
 
+import helpers_workers
 import pytest
-import test_worker
-from test_push_worker import d_register, settle, written
-from test_worker import D_BLOCKS, P_BLOCKS, PROMPT, Engine
+from helpers_workers import D_BLOCKS, P_BLOCKS, PROMPT, Engine, blocks_of, d_register, settle, written
 
 from kvferry.connectors.protocol.step import StepMeta
 from kvferry.connectors.scheduling.scheduler import TransferScheduler
 
-engines = test_worker.engines
+engines = helpers_workers.engines
 pytestmark = pytest.mark.timeout(60)
 
 BS = 4
@@ -170,7 +169,7 @@ def test_write_waits_for_the_next_step_to_begin(engines) -> None:
 def test_preemption_in_the_next_step_cancels_the_write_and_reports_no_free(engines) -> None:
     p, d = early_p(engines, 23), engines("D")
     d_register(d, p, "d1", "t1", D_BLOCKS)
-    before = [t.clone() for t in test_worker.blocks_of(d.kv, D_BLOCKS)]
+    before = [t.clone() for t in blocks_of(d.kv, D_BLOCKS)]
     forward(p, 1)
     p.sched.plan_push({}, {}, {"p1"})  # step 2's schedule preempted p1: vLLM freed its blocks
     p.worker.submit(p.sched.take_meta(), 2)
@@ -178,7 +177,7 @@ def test_preemption_in_the_next_step_cancels_the_write_and_reports_no_free(engin
     assert set(D_BLOCKS) <= got.bad_blocks
     assert "p1" not in settle(p, 0.3).sent
     assert not written(d, p, D_BLOCKS, P_BLOCKS)
-    assert all(a.equal(b) for a, b in zip(before, test_worker.blocks_of(d.kv, D_BLOCKS),
+    assert all(a.equal(b) for a, b in zip(before, blocks_of(d.kv, D_BLOCKS),
                                           strict=True))
     # Resumed and finished later: P frees its (new) blocks; nothing is written.
     assert finish(p, True, 3)

@@ -1,5 +1,6 @@
-"""kvferry.neuron.envcheck's answer to "can NIXL's LIBFABRIC backend load here, and if not
-why?", checked against what NIXL then actually does on this host.
+"""kvferry.neuron.envcheck_libfabric's answer (``envcheck --libfabric``) to "can NIXL's
+LIBFABRIC backend load here, and if not why?", checked against what NIXL then actually
+does on this host.
 
 Each outcome is produced for real where it can be: the built libfabric with the stubs
 (loads), the same with tcp confined to loopback (the ``fi_enable`` EBADF failure), a
@@ -20,7 +21,15 @@ from pathlib import Path
 import libfabric_host
 import pytest
 
-from kvferry.neuron import envcheck
+from kvferry.neuron import envcheck, envcheck_libfabric
+from kvferry.neuron.envcheck_libfabric import (
+    check_cuda_libs,
+    check_libfabric_abi,
+    check_plugin_hwloc,
+    check_providers,
+    parse_ldd,
+)
+from kvferry.neuron.findings import MISSING, OK, Finding
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.timeout(300)
@@ -30,12 +39,12 @@ PROBE = ("import nixl._api as api\n"
          "api.nixl_agent('probe', api.nixl_agent_config(backends=['LIBFABRIC']))\n")
 
 
-def report(env: dict[str, str]) -> dict[str, envcheck.Finding]:
+def report(env: dict[str, str]) -> dict[str, Finding]:
     r = subprocess.run([sys.executable, "-m", "kvferry.neuron.envcheck", "--libfabric", "--json"],
                        env=env, capture_output=True, text=True, timeout=120)
     out = json.loads(r.stdout)
     assert r.returncode == (0 if out["ok"] else 1), r.stderr
-    return {f["check"]: envcheck.Finding(**f) for f in out["findings"]}
+    return {f["check"]: Finding(**f) for f in out["findings"]}
 
 
 def agent(env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -47,7 +56,7 @@ def agent(env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_built_libfabric_with_stubs_is_reported_ready_and_the_backend_starts() -> None:
     env = libfabric_host.env()
     found = report(env)
-    assert all(f.status == envcheck.OK for f in found.values()), found
+    assert all(f.status == OK for f in found.values()), found
     prefix = str(libfabric_host.prefix())
     assert found["libfabric-abi"].detail.startswith(prefix) and "FABRIC_1.10" in found["libfabric-abi"].detail
     assert f"{prefix}/stubs/libcuda.so.1" in found["cuda-libs"].detail
@@ -64,8 +73,8 @@ def test_loopback_only_tcp_is_reported_and_is_what_makes_fi_enable_fail() -> Non
     env = libfabric_host.env() | {"FI_TCP_IFACE": "lo"}
     found = report(env)
     f = found["fi-provider"]
-    assert f.status == envcheck.MISSING and f.blocking and "EBADF" in f.detail
-    assert all(found[c].status == envcheck.OK for c in ("libfabric-abi", "cuda-libs", "plugin-hwloc"))
+    assert f.status == MISSING and f.blocking and "EBADF" in f.detail
+    assert all(found[c].status == OK for c in ("libfabric-abi", "cuda-libs", "plugin-hwloc"))
     r = agent(env)
     assert r.returncode != 0
     assert "fi_enable failed for rail 0: Bad file descriptor" in r.stderr
@@ -85,7 +94,7 @@ def test_libfabric_without_fabric_1_10_is_named_and_the_plugin_does_not_load(tmp
     env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     found = report(env)
     f = found["libfabric-abi"]
-    assert f.status == envcheck.MISSING and f.blocking
+    assert f.status == MISSING and f.blocking
     assert f.detail.startswith(f"{tmp_path}/libfabric.so.1 lacks FABRIC_1.10")
     assert found["fi-provider"].detail == "not checked: no usable libfabric"
     assert agent(env).returncode != 0
@@ -99,7 +108,7 @@ def test_missing_cuda_driver_is_named() -> None:
     env = libfabric_host.env()
     env["LD_LIBRARY_PATH"] = env["LD_LIBRARY_PATH"].replace(f"{prefix}/stubs", "/nonexistent")
     f = report(env)["cuda-libs"]
-    assert f.status == envcheck.MISSING and f.detail.startswith("libcuda.so.1 not found")
+    assert f.status == MISSING and f.detail.startswith("libcuda.so.1 not found")
     assert agent(env).returncode != 0
 
 
@@ -132,26 +141,25 @@ BAD_LDD = """\
 
 
 def test_parsed_ldd_findings_on_both_outcomes() -> None:
-    ok = envcheck.parse_ldd(OK_LDD)
+    ok = parse_ldd(OK_LDD)
     assert ok.versions == {"libfabric.so.1": {"FABRIC_1.0": True, "FABRIC_1.10": True},
                            "libcudart.so.13": {"libcudart.so.13": True}}  # libhwloc's own needs ignored
-    assert [f.status for f in (envcheck.check_libfabric_abi(ok), envcheck.check_cuda_libs(ok),
-                               envcheck.check_plugin_hwloc(ok))] == [envcheck.OK] * 3
-    bad = envcheck.parse_ldd(BAD_LDD)
-    abi, cuda, hwloc = (envcheck.check_libfabric_abi(bad), envcheck.check_cuda_libs(bad),
-                        envcheck.check_plugin_hwloc(bad))
+    assert [f.status for f in (check_libfabric_abi(ok), check_cuda_libs(ok), check_plugin_hwloc(ok))
+            ] == [OK] * 3
+    bad = parse_ldd(BAD_LDD)
+    abi, cuda, hwloc = check_libfabric_abi(bad), check_cuda_libs(bad), check_plugin_hwloc(bad)
     assert abi.detail == ("/usr/lib/libfabric.so.1 lacks FABRIC_1.10 "
                           "(the plugin needs FABRIC_1.0, FABRIC_1.10)")
     assert cuda.detail == "libcuda.so.1, libcudart.so.13 not found by the plugin's loader"
-    assert hwloc.status == envcheck.MISSING
+    assert hwloc.status == MISSING
     assert all(f.blocking for f in (abi, cuda, hwloc))
-    assert envcheck.check_providers(None).blocking
+    assert check_providers(None).blocking
 
 
 def test_main_with_libfabric_runs_only_those_checks(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(envcheck, "run_checks", lambda *a, **k: pytest.fail("ran every check"))
-    monkeypatch.setattr(envcheck, "libfabric_checks", lambda: [
-        envcheck.Finding("fi-provider", envcheck.MISSING, "no provider", "", True)])
+    monkeypatch.setattr(envcheck_libfabric, "libfabric_checks", lambda: [
+        Finding("fi-provider", MISSING, "no provider", "", True)])
     assert envcheck.main(["--libfabric"]) == 1
     assert "NIXL cannot create its LIBFABRIC backend here" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """The test-only fault hooks (connectors/transfer/faults.py): off without a plan, and with
 one they drop, delay and hold exactly what the plan says, at the real transport's and
-lease channel's seams (two real NIXL agents in this process)."""
+lease channel's seams (two real NIXL agents in this process; the router's lease client
+through the wiring `kvferry router` does)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import torch
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.transfer import faults, lease_control
 from kvferry.connectors.transfer.transport import Transfer, Transport
+from kvferry.router import lease_control as router_lease
+from kvferry.scripts import cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,15 +112,26 @@ def test_held_reports_done_late(active):
     assert time.monotonic() - t0 >= 0.3
 
 
-def test_lease_channel_hooks(active):
+def test_lease_channel_hooks(active, monkeypatch, tmp_path):
     blob = b"not msgpack"
     assert lease_control.handle(None, blob, key=b"k") == {"ok": False, "error": "bad_request"}
     active([{"point": "lease_handle", "action": "drop", "p": 1.0}])
     assert lease_control.handle(None, blob, key=b"k") == {"ok": False, "error": "unreachable"}
     active([{"point": "lease_call", "action": "drop", "p": 1.0}])
-    # Dropped before any socket is used: nothing listens on port 1.
-    got = asyncio.run(lease_control.call("127.0.0.1", 1, "info", "x", key=b"k"))
+    # The router's client meets the hook once `kvferry router` wired it (as in a chaos
+    # run); dropped before any socket is used: nothing listens on port 1.
+    monkeypatch.setattr(router_lease, "fault_hook", None)
+    cli.wire_router_faults()
+    got = asyncio.run(router_lease.call("127.0.0.1", 1, "info", "x", key=b"k"))
     assert got == {"ok": False, "error": "unreachable"}
+    assert [e["point"] for e in events(tmp_path)][-1:] == ["lease_call"]
+
+
+def test_router_lease_calls_meet_no_hook_without_a_plan(monkeypatch):
+    monkeypatch.setattr(faults, "ACTIVE", False)
+    monkeypatch.setattr(router_lease, "fault_hook", None)
+    cli.wire_router_faults()
+    assert router_lease.fault_hook is None
 
 
 _KEEP: list[torch.Tensor] = []  # registered KV must outlive its agent

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fleet_stack import RedisServer, RouterProcess, wait_for
+from helpers_reuse import expected_reuse, out_tokens
 from stack import (
     STARTUP_S,
     Engine,
@@ -35,7 +36,6 @@ from stack import (
     start_engine,
     warm_up,
 )
-from test_e2e_reuse import expected_reuse, out_tokens
 
 from kvferry.router.settings import RouterSettings
 from kvferry.scripts.engines import available_cpus

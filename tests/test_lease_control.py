@@ -1,5 +1,6 @@
-"""Lease control channel (connectors/transfer/lease_control.py): signed, time-stamped requests;
-`handle` never raises; real ZMQ round trips between `call` and a `ControlServer`."""
+"""Lease control channel: signed, time-stamped requests (connectors/protocol/lease_control.py);
+D's `handle` never raises (connectors/transfer/lease_control.py); real ZMQ round trips
+between the router's `call` (router/lease_control.py) and a `ControlServer`."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import msgspec
 import pytest
 from helpers_http import free_port
 
+from kvferry.connectors.protocol import lease_control as wire
 from kvferry.connectors.protocol.params import SECRET_ENV, mac, parse_lease
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer import lease_control as lc
+from kvferry.router import lease_control as client
 
 KEY = b"test-secret"
 BS = 4
@@ -36,41 +39,41 @@ def blob(key: bytes = KEY, **fields) -> bytes:
     """A request with chosen fields, signed over them with ``key``."""
     req = {"op": "info", "lease_id": "L1", "ttl": None, "ts": time.time(), **fields}
     if "sig" not in req:
-        req["sig"] = mac(lc.LeaseControl(req["op"], req["lease_id"], req["ts"], req["ttl"]), key)
+        req["sig"] = mac(wire.LeaseControl(req["op"], req["lease_id"], req["ts"], req["ttl"]), key)
     return msgspec.msgpack.encode(req)
 
 
 # -- handle -------------------------------------------------------------------------------------
 def test_good_request_answers_with_signed_offer():
     k = make_keeper()
-    r = lc.handle(k, lc.request("info", "L1", key=KEY), key=KEY)
+    r = lc.handle(k, wire.request("info", "L1", key=KEY), key=KEY)
     assert r["ok"] is True and parse_lease(r["offer"], key=KEY).lease_id == "L1"
-    r = lc.handle(k, lc.request("info", "L1"))  # both sides default to KVFERRY_SECRET
+    r = lc.handle(k, wire.request("info", "L1"))  # both sides default to KVFERRY_SECRET
     assert r["ok"] is True
 
 
 def test_bad_signature():
     k = make_keeper()
-    assert lc.handle(k, lc.request("release", "L1", key=b"other"), key=KEY) == \
+    assert lc.handle(k, wire.request("release", "L1", key=b"other"), key=KEY) == \
         {"ok": False, "error": "bad_signature"}
-    tampered = msgspec.msgpack.decode(lc.request("renew", "L1", 5.0, key=KEY))
+    tampered = msgspec.msgpack.decode(wire.request("renew", "L1", 5.0, key=KEY))
     tampered["ttl"] = 5000.0  # signed for another ttl
     assert lc.handle(k, msgspec.msgpack.encode(tampered), key=KEY)["error"] == "bad_signature"
     tampered["ttl"], tampered["lease_id"] = 5.0, "L2"  # signed for another lease
     assert lc.handle(k, msgspec.msgpack.encode(tampered), key=KEY)["error"] == "bad_signature"
     # A server without a secret refuses everything, even a request "signed" with none.
-    assert lc.handle(k, lc.request("release", "L1", key=b""), key=b"")["error"] == "bad_signature"
+    assert lc.handle(k, wire.request("release", "L1", key=b""), key=b"")["error"] == "bad_signature"
     assert "L1" in k.table  # nothing was released
 
 
 def test_stale_or_future_timestamp():
     k = make_keeper()
-    req = lc.request("release", "L1", key=KEY)
+    req = wire.request("release", "L1", key=KEY)
     now = time.time()
-    assert lc.handle(k, req, key=KEY, now=now + lc.MAX_SKEW_S + 5) == {"ok": False, "error": "stale"}
-    assert lc.handle(k, req, key=KEY, now=now - lc.MAX_SKEW_S - 5)["error"] == "stale"
+    assert lc.handle(k, req, key=KEY, now=now + wire.MAX_SKEW_S + 5) == {"ok": False, "error": "stale"}
+    assert lc.handle(k, req, key=KEY, now=now - wire.MAX_SKEW_S - 5)["error"] == "stale"
     assert "L1" in k.table
-    assert lc.handle(k, req, key=KEY, now=now + lc.MAX_SKEW_S - 5) == {"ok": True}
+    assert lc.handle(k, req, key=KEY, now=now + wire.MAX_SKEW_S - 5) == {"ok": True}
     assert "L1" not in k.table
 
 
@@ -106,16 +109,16 @@ def test_malformed_requests_are_bad_request_never_raise(raw):
 
 def test_request_refuses_unknown_op():
     with pytest.raises(ValueError):
-        lc.request("delete", "L1", key=KEY)
+        wire.request("delete", "L1", key=KEY)
 
 
 def test_keeper_errors_become_reasons():
     k = make_keeper()
-    assert lc.handle(k, lc.request("info", "nope", key=KEY), key=KEY) == \
+    assert lc.handle(k, wire.request("info", "nope", key=KEY), key=KEY) == \
         {"ok": False, "error": "unknown"}
-    assert lc.handle(k, lc.request("release", "L1", key=KEY), key=KEY) == {"ok": True}
+    assert lc.handle(k, wire.request("release", "L1", key=KEY), key=KEY) == {"ok": True}
     for op in ("info", "renew", "release"):
-        assert lc.handle(k, lc.request(op, "L1", key=KEY), key=KEY)["error"] == "released"
+        assert lc.handle(k, wire.request(op, "L1", key=KEY), key=KEY)["error"] == "released"
 
 
 def test_keeper_bug_is_reported_not_raised():
@@ -123,7 +126,7 @@ def test_keeper_bug_is_reported_not_raised():
         def info(self, lease_id):
             raise RuntimeError("boom")
 
-    r = lc.handle(Broken(), lc.request("info", "L1", key=KEY), key=KEY)
+    r = lc.handle(Broken(), wire.request("info", "L1", key=KEY), key=KEY)
     assert r["ok"] is False and r["error"].startswith("internal") and "boom" in r["error"]
 
 
@@ -143,7 +146,7 @@ def test_round_trips_through_control_server(served):
 
     async def go():
         def call(op, lid, ttl=None, key=KEY):
-            return lc.call("127.0.0.1", port, op, lid, ttl, timeout_s=5.0, key=key)
+            return client.call("127.0.0.1", port, op, lid, ttl, timeout_s=5.0, key=key)
 
         r = await call("info", "L1")
         assert r["ok"] is True
@@ -185,14 +188,14 @@ def test_server_survives_garbage(served):
             assert msgspec.msgpack.decode(s.recv()) == {"ok": False, "error": "bad_request"}
         finally:
             s.close()
-    r = asyncio.run(lc.call("127.0.0.1", port, "info", "L1", timeout_s=5.0, key=KEY))
+    r = asyncio.run(client.call("127.0.0.1", port, "info", "L1", timeout_s=5.0, key=KEY))
     assert r["ok"] is True
 
 
 def test_unreachable_port_fails_fast():
     port = free_port()  # nothing listens there
     t0 = time.monotonic()
-    r = asyncio.run(lc.call("127.0.0.1", port, "info", "L1", timeout_s=0.2, key=KEY))
+    r = asyncio.run(client.call("127.0.0.1", port, "info", "L1", timeout_s=0.2, key=KEY))
     assert r["ok"] is False and r["error"].startswith("unreachable")
     assert time.monotonic() - t0 < 2.0
 
@@ -200,5 +203,5 @@ def test_unreachable_port_fails_fast():
 def test_integer_ttl_is_signed_as_sent():
     """The MAC covers what D decodes: an int ttl goes out as a float."""
     k = make_keeper()
-    r = lc.handle(k, lc.request("renew", "L1", 30, key=KEY), key=KEY)
+    r = lc.handle(k, wire.request("renew", "L1", 30, key=KEY), key=KEY)
     assert r["ok"] is True

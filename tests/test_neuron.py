@@ -22,9 +22,10 @@ from fakes.nrt_runtime import FakeRuntime, build, host_readable
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import DRAM, VRAM
 from kvferry.connectors.memory.registry import get_backend
-from kvferry.neuron import envcheck, libnrt
+from kvferry.neuron import envcheck, envcheck_libfabric, libnrt
 from kvferry.neuron.arrays import NeuronArray
 from kvferry.neuron.backend import ENV_MAP_HBM, ENV_STAGING, NeuronBackend, RegistrationError
+from kvferry.neuron.findings import MISSING, OK, WARN, Finding
 from kvferry.neuron.libnrt import NrtTensor
 
 NB, BS, HEADS, DIM, ES = 8, 4, 2, 16, 2  # num_blocks, block_size, kv heads, head dim, bf16
@@ -457,22 +458,22 @@ def test_host_mode_without_a_copy_path_is_refused() -> None:
 # -- envcheck ------------------------------------------------------------------------------
 def test_envcheck_findings(nrt: libnrt.Libnrt, tmp_path: Path) -> None:
     f = envcheck.check_libnrt()
-    assert f.status == envcheck.OK and "64 NeuronCores" in f.detail  # asked before/without init
+    assert f.status == OK and "64 NeuronCores" in f.detail  # asked before/without init
     f = envcheck.check_libfabric("/nonexistent/libfabric.so.1")
     assert f.blocking and "unusable" in f.detail and "EFA installer" in f.fix
     bad = envcheck.check_shm(True, {})
     assert bad.blocking and "FI_EFA_ENABLE_SHM_TRANSFER=0" in bad.fix
-    assert envcheck.check_shm(True, {"FI_EFA_ENABLE_SHM_TRANSFER": "0"}).status == envcheck.OK
-    assert envcheck.check_shm(False, {}).status == envcheck.OK
+    assert envcheck.check_shm(True, {"FI_EFA_ENABLE_SHM_TRANSFER": "0"}).status == OK
+    assert envcheck.check_shm(False, {}).status == OK
     assert "FI_EFA_USE_DEVICE_RDMA=1" in envcheck.check_hmem({}).fix
-    assert envcheck.check_map_hbm({"NEURON_RT_MAP_HBM": "1"}).status == envcheck.OK
-    assert envcheck.check_map_hbm({}).status == envcheck.WARN
+    assert envcheck.check_map_hbm({"NEURON_RT_MAP_HBM": "1"}).status == OK
+    assert envcheck.check_map_hbm({}).status == WARN
     sysfs = tmp_path / "ib"
     (sysfs / "rdmap16s27" / "device").mkdir(parents=True)
     (tmp_path / "drivers" / "efa").mkdir(parents=True)
     os.symlink(tmp_path / "drivers" / "efa", sysfs / "rdmap16s27" / "device" / "driver")
     ok = envcheck.check_efa_devices(str(sysfs))
-    assert ok.status == envcheck.OK and "rdmap16s27" in ok.detail
+    assert ok.status == OK and "rdmap16s27" in ok.detail
     (tmp_path / "empty").mkdir()
     if not shutil.which("fi_info"):
         assert envcheck.check_efa_devices(str(tmp_path / "empty")).blocking
@@ -480,11 +481,11 @@ def test_envcheck_findings(nrt: libnrt.Libnrt, tmp_path: Path) -> None:
 
 def test_envcheck_main_exit_code(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(envcheck, "run_checks", lambda *a, **k: [
-        envcheck.Finding("libfabric", envcheck.MISSING, "1.17 < 1.21", "install EFA", True)])
+        Finding("libfabric", MISSING, "1.17 < 1.21", "install EFA", True)])
     assert envcheck.main([]) == 1
     assert "[FAIL] libfabric" in capsys.readouterr().out
     monkeypatch.setattr(envcheck, "run_checks", lambda *a, **k: [
-        envcheck.Finding("libnrt", envcheck.OK, "loaded")])
+        Finding("libnrt", OK, "loaded")])
     assert envcheck.main(["--json"]) == 0
 
 
@@ -494,7 +495,7 @@ def test_real_host_report_runs(nrt: libnrt.Libnrt) -> None:
     names = [f.check for f in findings]
     assert names[0] == "libnrt" and "libfabric" in names and "efa-shm" in names
     assert "map-hbm" in names and "init-order" not in names
-    assert all(f.status in (envcheck.OK, envcheck.MISSING, envcheck.WARN) for f in findings)
+    assert all(f.status in (OK, MISSING, WARN) for f in findings)
 
 
 def test_unresolved_names_missing_libraries_and_symbol_versions() -> None:
@@ -505,8 +506,8 @@ def test_unresolved_names_missing_libraries_and_symbol_versions() -> None:
            "\tlinux-vdso.so.1 (0x00007ffd)\n"
            "\tlibfabric.so.1 => /opt/lf/lib/libfabric.so.1 (0x00007f)\n"
            "\tlibcuda.so.1 => not found\n")
-    assert envcheck.unresolved(ldd) == ["FABRIC_1.10 (not in libfabric.so.1)", "libcuda.so.1"]
-    assert envcheck.unresolved("\tlibc.so.6 => /lib/libc.so.6 (0x1)\n") == []
+    assert envcheck_libfabric.unresolved(ldd) == ["FABRIC_1.10 (not in libfabric.so.1)", "libcuda.so.1"]
+    assert envcheck_libfabric.unresolved("\tlibc.so.6 => /lib/libc.so.6 (0x1)\n") == []
 
 
 @pytest.mark.parametrize(("mode", "stages"), [("auto", True), ("host", True),

@@ -17,8 +17,9 @@ import pytest
 from fakes.nrt_runtime import FakeRuntime, build, host_readable
 
 from kvferry.connectors.memory.backends import DRAM, VRAM, KVLayout
-from kvferry.neuron import envcheck, libnrt
+from kvferry.neuron import envcheck, envcheck_libfabric, libnrt
 from kvferry.neuron.backend import NeuronBackend
+from kvferry.neuron.findings import OK
 from kvferry.neuron.libnrt import NrtTensor
 
 nixl_api = pytest.importorskip("nixl._api")
@@ -157,10 +158,10 @@ def _libfabric_skip_reason() -> str | None:
     NIXL 1.5.1's plugin was linked against, and the plugin also needs libcuda.so.1.
     """
     f = envcheck.check_libfabric()
-    if f.status != envcheck.OK:
+    if f.status != OK:
         return f"NIXL LIBFABRIC backend unusable: {f.detail}"
-    p = envcheck.check_nixl_plugin()
-    if p.status != envcheck.OK:
+    p = envcheck_libfabric.check_nixl_plugin()
+    if p.status != OK:
         return f"NIXL LIBFABRIC plugin unusable: {p.detail}"
     return None
 

@@ -9,42 +9,25 @@ from __future__ import annotations
 
 import time
 
+import helpers_workers
 import pytest
-import test_worker
 import torch
-from test_worker import D_BLOCKS, P_BLOCKS, PROMPT, Engine, blocks_of
+from helpers_workers import (
+    D_BLOCKS,
+    P_BLOCKS,
+    PROMPT,
+    blocks_of,
+    d_register,
+    d_task,
+    p_done,
+    p_finish,
+    settle,
+    written,
+)
 
-engines = test_worker.engines  # the same fixture: in-process P and D workers
+engines = helpers_workers.engines  # in-process P and D workers over real NIXL
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def d_register(d: Engine, p: Engine, req: str, tid: str, local: list[int]):
-    params = {"do_remote_prefill": True, "push": True, "transfer_id": tid,
-              "remote_host": "127.0.0.1", "remote_port": p.port}
-    count, is_async = d.sched.matched_tokens(req, PROMPT, params, 0)
-    assert (count, is_async) == (len(PROMPT), True)
-    d.sched.after_alloc(req, local, count)
-    meta = d.sched.take_meta()
-    assert len(meta.register) == 1
-    d.worker.submit(meta)
-
-
-def p_done(p: Engine, req: str, tid: str, blocks: list[int]) -> None:
-    keep, out = p.sched.finished(req, True, blocks,
-                                 {"do_remote_decode": True, "push": True, "transfer_id": tid},
-                                 PROMPT)
-    assert keep and out["transfer_id"] == tid
-    p.worker.submit(p.sched.take_meta())
-
-
-def written(d: Engine, p: Engine, d_blocks: list[int], p_blocks: list[int]) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(blocks_of(d.kv, d_blocks),
-                                                 blocks_of(p.kv, p_blocks), strict=True))
-
-
-def settle(e: Engine, seconds: float = 0.5):
-    return e.collect(lambda r: False, seconds)
 
 
 def test_push_write_lands_and_both_sides_finish(engines):
@@ -142,9 +125,9 @@ def test_push_then_pull_from_one_p_loads_its_agent_once(engines, monkeypatch):
     d_register(d, p, "d1", "t1", D_BLOCKS)
     p_done(p, "p1", "t1", P_BLOCKS)
     assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
-    offer = test_worker.p_finish(p, "p2", P_BLOCKS)
+    offer = p_finish(p, "p2", P_BLOCKS)
     p.worker.submit(p.sched.take_meta())
-    d.worker.submit(test_worker.d_task(d, "d2", offer, [9, 10, 11, 12, 13, 14]))
+    d.worker.submit(d_task(d, "d2", offer, [9, 10, 11, 12, 13, 14]))
     assert d.collect(lambda r: "d2" in r.recvd, 15).bad_blocks == set()
     assert written(d, p, [9, 10, 11, 12, 13, 14], P_BLOCKS)
     assert len(loads) == 1

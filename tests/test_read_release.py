@@ -1,7 +1,7 @@
 """A pull READ that D gives up (failed post, error, timeout) still tells P to free its
 blocks at once, instead of P holding them until send_timeout_s ("no decode read its KV
 within 120s" in a 2P2D run whose READs fell back). Real NIXL between two in-process
-workers (tests/test_worker.py's helpers); the failures come from the test-only fault
+workers (tests/helpers_workers.py); the failures come from the test-only fault
 hooks (connectors/transfer/faults.py)."""
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import json
 import os
 import time
 
+import helpers_workers
 import pytest
-from test_worker import D_BLOCKS, P_BLOCKS, d_task, engines, p_finish  # noqa: F401 (fixture)
+from helpers_workers import D_BLOCKS, P_BLOCKS, d_task, p_finish
 
 from kvferry.connectors.transfer import faults
 
+engines = helpers_workers.engines  # in-process P and D workers over real NIXL
 pytestmark = pytest.mark.timeout(60)
 
 SEND_TIMEOUT_S = 60.0  # far beyond the test: a free within seconds is D's notice
@@ -34,7 +36,7 @@ def hooks(monkeypatch, tmp_path):
     return rules
 
 
-def _read(engines, d_cfg: dict):  # noqa: F811 (the fixture)
+def _read(engines, d_cfg: dict):
     p = engines("P", seed=11, send_timeout_s=SEND_TIMEOUT_S)
     d = engines("D", **d_cfg)
     offer = p_finish(p, "p-req", P_BLOCKS)
@@ -49,7 +51,7 @@ def _read(engines, d_cfg: dict):  # noqa: F811 (the fixture)
     # notice, or D's), never a free for blocks still being read.
     ({"point": "done_hold", "action": "delay", "s": 3.0}, {"recv_timeout_s": 0.5}),
 ], ids=["post_failed", "seen_late"])
-def test_abandoned_read_frees_p_now(engines, hooks, rule, d_cfg):  # noqa: F811
+def test_abandoned_read_frees_p_now(engines, hooks, rule, d_cfg):
     p, d, offer = _read(engines, d_cfg)
     hooks([{**rule, "p": 1.0}])
     t0 = time.monotonic()
@@ -61,7 +63,7 @@ def test_abandoned_read_frees_p_now(engines, hooks, rule, d_cfg):  # noqa: F811
     assert time.monotonic() - t0 < 10 < SEND_TIMEOUT_S
 
 
-def test_read_that_succeeds_frees_p_once(engines):  # noqa: F811
+def test_read_that_succeeds_frees_p_once(engines):
     p, d, offer = _read(engines, {})
     d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
     assert d.collect(lambda r: "d-req" in r.recvd, 10).bad_blocks == set()

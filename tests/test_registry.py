@@ -65,15 +65,13 @@ def test_lru_bound():
         ConversationRegistry(0)
 
 
-def test_drop_and_sweep():
+def test_drop():
     r = ConversationRegistry()
     r.update("t", "a", entry("La", expiry=10.0))
-    r.update("t", "b", entry("Lb", expiry=20.0))
     r.update("t", "c", entry("Lc", expiry=30.0, d="d1"))
     assert r.drop("t", "c") == entry("Lc", expiry=30.0, d="d1")
     assert r.drop("t", "c") is None
-    assert [e.lease_id for e in r.sweep(10.0)] == ["La"]
-    assert r.sweep(10.0) == [] and r.size == 1
+    assert r.size == 1 and r.get("t", "a", 0.0) == entry("La", expiry=10.0)
 
 
 def test_renewed_moves_expiry_only_for_same_lease():
@@ -84,13 +82,6 @@ def test_renewed_moves_expiry_only_for_same_lease():
     assert not r.renewed("t", "c", "OLD", 500.0)
     assert not r.renewed("t", "x", "L1", 500.0)
     assert r.renewed("t", "c", "L1", 5.0) and r.get("t", "c", 0.0).expiry == 50.0
-
-
-def test_entries_on_engine():
-    r = ConversationRegistry()
-    r.update("t", "a", entry(d="d0"))
-    r.update("u", "b", entry(d="d1"))
-    assert r.entries_on("d1") == [("u", "b")]
 
 
 def test_conversation_id_sources_and_order():

@@ -23,6 +23,7 @@ from helpers_http import FakeEngine, closed_port_url, serve
 from vllm_sources import source_dir
 
 from kvferry.router.app import create_app
+from kvferry.router.registry import ANONYMOUS
 from kvferry.router.settings import RouterSettings
 from kvferry.router.sse import EngineFieldFilter
 
@@ -118,9 +119,8 @@ def test_streamed_offer_commits_the_conversation(router, chat: bool) -> None:
     assert r.status_code == 200 and "kv_transfer_params" not in r.text
     registry = app.state.conversations.registry
     assert len(registry) == 1  # committed before [DONE] left: a next turn sent now finds it
-    [(tenant, cid)] = registry.entries_on("d0-engine")
-    entry = registry.get(tenant, cid, now=0.0)
-    assert cid == "c7" and entry is not None and entry.num_tokens == 256
+    entry = registry.get(ANONYMOUS, "c7", now=0.0)  # no API key: the anonymous tenant
+    assert entry is not None and entry.engine_id == "d0-engine" and entry.num_tokens == 256
 
 
 def test_filter_holds_partial_events_and_scrubs_at_any_split(shapes: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """Transfer counters (connectors/transfer/stats.py) and their side-channel request.
 
 The counters are what the e2e tests assert on instead of log lines, so they are checked
-here on real in-process NIXL transfers (two TransferWorkers, as in test_worker.py), read
+here on real in-process NIXL transfers (two TransferWorkers, tests/helpers_workers.py), read
 back through the side channel exactly as tests/stack.py reads an engine's.
 """
 
@@ -12,13 +12,12 @@ import threading
 import time
 from pathlib import Path
 
+import helpers_workers
 import msgspec
 import pytest
-import test_worker
 import zmq
 from helpers_http import free_port
-from test_push_worker import d_register, p_done
-from test_worker import D_BLOCKS, P_BLOCKS, N, blocks_of, d_task, p_finish
+from helpers_workers import D_BLOCKS, P_BLOCKS, Engine, N, blocks_of, d_register, d_task, p_done, p_finish
 
 from kvferry.connectors.transfer.handshake import (
     HandshakeError,
@@ -29,16 +28,16 @@ from kvferry.connectors.transfer.handshake import (
 )
 from kvferry.connectors.transfer.stats import COUNTERS, MAX_EVENTS, Snapshot, Stats, decode
 
-engines = test_worker.engines  # in-process P and D workers over real NIXL
+engines = helpers_workers.engines  # in-process P and D workers over real NIXL
 pytestmark = pytest.mark.timeout(60)
 
 
-def side(e: test_worker.Engine, timeout_s: float = 2.0) -> Snapshot:
+def side(e: Engine, timeout_s: float = 2.0) -> Snapshot:
     """``e``'s counters as a test reads an engine's: over its side channel."""
     return fetch_stats("127.0.0.1", e.port, timeout_s)
 
 
-def block_bytes(e: test_worker.Engine) -> int:
+def block_bytes(e: Engine) -> int:
     return sum(t.nbytes for t in blocks_of(e.kv, [0]))
 
 

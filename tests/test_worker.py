@@ -1,101 +1,25 @@
-"""TransferWorker (connectors/transfer/worker.py): two in-process workers over real NIXL, DRAM tensors.
-
-P and D each have their own CpuBackend layout, NIXL agent and side-channel port; offers are
-real signed offers from TransferScheduler, so this is the pull path minus vLLM.
-"""
+"""TransferWorker (connectors/transfer/worker.py): two in-process workers over real NIXL,
+DRAM tensors (tests/helpers_workers.py), on the pull path minus vLLM."""
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Callable
 
+import helpers_workers
 import pytest
 import torch
 from helpers_http import free_port
+from helpers_workers import BS, D_BLOCKS, P_BLOCKS, PROMPT, N, blocks_of, d_task, p_finish
 
 from kvferry.connectors.config import ConnectorConfig
-from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.protocol import messages
-from kvferry.connectors.protocol.params import PROTOCOL_VERSION, SECRET_ENV
+from kvferry.connectors.protocol.params import PROTOCOL_VERSION
 from kvferry.connectors.protocol.step import RecvTask, StepMeta
 from kvferry.connectors.scheduling.scheduler import TransferScheduler
 from kvferry.connectors.transfer.handshake import HandshakeServer
-from kvferry.connectors.transfer.results import Results
-from kvferry.connectors.transfer.worker import TransferWorker
 
+engines = helpers_workers.engines  # in-process P and D workers over real NIXL
 pytestmark = pytest.mark.timeout(60)
-
-N, BS = 16, 4
-PROMPT = list(range(1, 23))  # 22 tokens -> 6 blocks
-
-
-
-def caches(seed: int | None) -> dict[str, torch.Tensor]:
-    if seed is None:
-        return {"l0": torch.zeros(2, N, BS, 2, 8), "l1": torch.zeros(N, 2, BS, 8)}
-    g = torch.Generator().manual_seed(seed)
-    return {"l0": torch.randn(2, N, BS, 2, 8, generator=g), "l1": torch.randn(N, 2, BS, 8, generator=g)}
-
-
-def blocks_of(c: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
-    return [c["l0"][:, ids], c["l1"][ids]]
-
-
-class Engine:
-    def __init__(self, role: str, seed: int | None, **cfg):
-        self.engine_id = f"{role}-{uuid.uuid4().hex[:8]}"
-        self.port = free_port()
-        self.cfg = ConnectorConfig(side_channel_port=self.port, **cfg)
-        self.kv = caches(seed)
-        self.worker = TransferWorker(self.cfg, self.engine_id, 0,
-                                     CpuBackend().describe(self.kv, N, BS))
-        self.sched = TransferScheduler(self.engine_id, "127.0.0.1", self.port, BS)
-        self.acc = Results()
-
-    def collect(self, until: Callable[[Results], bool], timeout: float) -> Results:
-        deadline = time.monotonic() + timeout
-        while True:
-            r = self.worker.results()
-            self.acc.sent |= r.sent
-            self.acc.recvd |= r.recvd
-            self.acc.bad_blocks |= r.bad_blocks
-            if until(self.acc) or time.monotonic() >= deadline:
-                return self.acc
-            time.sleep(0.005)
-
-
-@pytest.fixture
-def engines(monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "worker-test-secret")
-    made: list[Engine] = []
-
-    def make(role: str, seed: int | None = None, **cfg) -> Engine:
-        cfg.setdefault("handshake_timeout_s", 1.0)
-        e = Engine(role, seed, **cfg)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.worker.close()
-
-
-def p_finish(p: Engine, req: str, blocks: list[int], prompt=PROMPT) -> dict:
-    keep, offer = p.sched.finished(req, True, blocks, {"do_remote_decode": True}, prompt)
-    assert keep
-    return offer
-
-
-def d_task(d: Engine, req: str, offer: dict, local: list[int], hit: int = 0, prompt=PROMPT) -> StepMeta:
-    count, is_async = d.sched.matched_tokens(req, prompt, offer, hit)
-    assert d.sched.rejection(req) is None
-    d.sched.after_alloc(req, local, count if is_async else 0)
-    return d.sched.take_meta()
-
-
-P_BLOCKS = [2, 3, 4, 9, 10, 15]
-D_BLOCKS = [0, 1, 2, 3, 7, 8]
 
 
 def test_pull_read_delivers_bytes_and_frees_p_blocks(engines):

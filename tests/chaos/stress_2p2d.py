@@ -3,8 +3,9 @@
 Run through the engine lock, e.g.
 ``flock /tmp/kvf-engine.lock env PYTHONPATH=$PWD/.shim .venv/bin/python
 tests/chaos/stress_2p2d.py --minutes 6``. Each round sends the six concurrent requests of
-``_spread`` (three pulls, three pushes) and records, per round, D's READs and P's WRITEs,
-which (P, D) each pull used, and every WARNING line the engines and the router wrote.
+``_spread`` (helpers_2p2d.SPREAD_JOBS: three pulls, three pushes) and records, per round,
+D's READs and P's WRITEs (their counters), which (P, D) each pull used, and every WARNING
+line the engines and the router wrote. The stack is test_e2e_2p2d's (helpers_2p2d).
 """
 
 from __future__ import annotations
@@ -26,19 +27,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("KVFERRY_TIMELINE", "1")
 
-from stack import (  # noqa: E402
-    STARTUP_S,
-    Engine,
-    outputs_differ,
-    prompt,
-    serve_kvferry_router,
-    start_engine,
-    warm_up,
-)
-from test_e2e_2p2d import EXTRA, SHARED_CORES, Cluster, send, total  # noqa: E402
-
-from kvferry.scripts.engines import available_cpus  # noqa: E402
-from kvferry.scripts.procs import stop_all, wait_healthy  # noqa: E402
+from helpers_2p2d import SPREAD_JOBS, Cluster, send, start_cluster  # noqa: E402
+from stack import outputs_differ, prompt, stats_of  # noqa: E402
 
 
 def start(es: ExitStack, logs: Path, warm: bool, one_core: bool = False) -> Cluster:
@@ -47,28 +37,7 @@ def start(es: ExitStack, logs: Path, warm: bool, one_core: bool = False) -> Clus
     from kvferry.scripts.modelgen import write_model
 
     model = str(write_model(logs / "model", "tiny", weights=True))
-    secret = secrets.token_hex(16)
-    cpus = available_cpus()
-    if one_core:  # all four engines on one core: a slower, busier CI runner
-        p_cpus, d_cpus = (cpus[0], cpus[0]), (cpus[0], cpus[0])
-    elif SHARED_CORES:
-        p_cpus, d_cpus = (cpus[0], cpus[-1]), (cpus[-1], cpus[0])
-    else:
-        p_cpus, d_cpus = (cpus[0], cpus[1]), (cpus[2], cpus[3])
-    children: list = []
-    es.callback(stop_all, children)
-
-    def one(role: str, cpu: int, args: tuple[str, ...] = ()) -> Engine:
-        e = start_engine(role, model, logs, secret, extra=EXTRA, cpus=(cpu,), engine_args=args)
-        children.append(e.child)
-        return e
-
-    ps = [one("prefill", c, ("--no-enable-prefix-caching",)) for c in p_cpus]
-    ds = [one("decode", c) for c in d_cpus]
-    wait_healthy(children, STARTUP_S)
-    if warm:
-        warm_up(ps + ds, model)
-    return Cluster(ps, ds, serve_kvferry_router(es, ps, ds, secret), model)
+    return start_cluster(es, model, logs, secrets.token_hex(16), warm=warm, one_core=one_core)
 
 
 def _dump_when_slow(c: Cluster, after_s: float, done: threading.Event) -> None:
@@ -84,11 +53,10 @@ def _dump_when_slow(c: Cluster, after_s: float, done: threading.Event) -> None:
 
 
 def round_(c: Cluster, seed: int, router_log: Path, dump_after: float = 0.0) -> dict:
-    jobs = [(n, "pull" if i % 2 == 0 else "push") for i, n in
-            enumerate((200, 700, 129, 400, 500, 300))]
+    jobs = SPREAD_JOBS
     toks = {n: prompt(n, seed + n) for n, _ in jobs}
-    reads0 = total(c.decodes, Engine.reads)
-    writes0 = total(c.prefills, Engine.writes)
+    reads0 = stats_of(c.decodes)["reads_done"]
+    writes0 = stats_of(c.prefills)["writes_done"]
     marks = [len(e.log().splitlines()) for e in c.engines]
     rmark = len(router_log.read_text().splitlines())
     t0 = time.monotonic()
@@ -101,8 +69,8 @@ def round_(c: Cluster, seed: int, router_log: Path, dump_after: float = 0.0) -> 
     took = time.monotonic() - t0
     time.sleep(1.0)
     out = {"seed": seed, "s": round(took, 1),
-           "reads": int(total(c.decodes, Engine.reads) - reads0),
-           "writes": int(total(c.prefills, Engine.writes) - writes0),
+           "reads": stats_of(c.decodes)["reads_done"] - reads0,
+           "writes": stats_of(c.prefills)["writes_done"] - writes0,
            "pairs": {n: [mode, got[n][1].get("x-kvferry-prefill", "")[-5:],
                          got[n][1].get("x-kvferry-decode", "")[-5:],
                          got[n][1].get("x-kvferry-transfer", "")] for n, mode in jobs},
