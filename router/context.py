@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from .conversations import Conversations
+from .errors import RouterError
 from .metrics import RouterMetrics
 from .settings import RouterSettings
 from .upstreams import Upstream, UpstreamPool
@@ -61,6 +62,18 @@ def forward_headers(client_headers: Any, transfer_id: str) -> dict[str, str]:
 
 def json_headers(headers: dict[str, str]) -> dict[str, str]:
     return {**headers, "content-type": "application/json"}
+
+
+def wire_failed(pool: UpstreamPool, up: Upstream, err: RouterError) -> None:
+    """A leg failed on the wire (`err`, from `errors.from_transport`): a refused connection
+    ejects the engine at once (`UpstreamPool.refused`), any other failure counts like a
+    failed probe. A connect timeout only counts: a busy host can be slow to accept."""
+    if err.kind == "connect":
+        if pool.refused(up):
+            log.warning("%s %s refused a connection: ejected until it answers /health",
+                        pool.role, up.url)
+    else:
+        passive(pool, up, False)
 
 
 def passive(pool: UpstreamPool, up: Upstream, ok: bool) -> None:

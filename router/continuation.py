@@ -38,6 +38,7 @@ from .state import ConversationState
 if TYPE_CHECKING:
     from .conversations import Conversations, Turn
     from .decode import DecodeHooks
+    from .upstreams import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,22 @@ async def retire(state: ConversationState, turn: Turn) -> list[ConversationEntry
 
 def track(conv: Conversations, turn: Turn, decode_url: str, hooks: DecodeHooks) -> DecodeHooks:
     """Wrap a turn's commit hooks (`turns.commit_hooks`): capture D's answer, record the
-    history D holds on the turn (and key a content turn) before the commit runs."""
+    history D holds on the turn (and key a content turn) before the commit runs. An
+    answer that cannot be recorded releases the lease on the D that finished the turn:
+    `decode_url` until the stream moves (`hooks.on_moved`, a migration) to another D."""
     view = turn.view
     if view is None or view.kind not in ("chat", "text"):
         return hooks  # token ids: D's block hashes say what it holds, exactly
     chat = view.kind == "chat"
     commit_json, commit_stream = hooks.on_d_params, hooks.on_stream_done
     answers: list[Answer | None] = []
+    at = [decode_url]
+    moved = hooks.on_moved
+
+    def on_moved(up: Upstream) -> None:
+        at[0] = up.url
+        if moved is not None:
+            moved(up)
 
     def keyed(answer: Answer | None) -> bool:
         turn.history = history.record(view, answer) if answer is not None else None
@@ -111,16 +121,17 @@ def track(conv: Conversations, turn: Turn, decode_url: str, hooks: DecodeHooks) 
             if commit_json is not None:
                 await commit_json(params)
         else:
-            await discard(conv, turn, decode_url)
+            await discard(conv, turn, at[0])
 
     def on_done(answer: Answer | None) -> None:
         if keyed(answer):
             if commit_stream is not None:
                 commit_stream()
         else:
-            conv.spawn(discard(conv, turn, decode_url))
+            conv.spawn(discard(conv, turn, at[0]))
 
     capture = AnswerCapture(chat, on_done)
+    hooks.on_moved = on_moved
     hooks.on_answer = on_answer
     hooks.on_d_params = on_json
     hooks.on_stream_done = None  # the capture calls it, once it has seen the whole answer

@@ -1,8 +1,10 @@
 """The decode step: D's leg, and its answer on the way to the client (JSON, or SSE passed
-through chunk by chunk with engine-owned fields removed)."""
+through chunk by chunk with engine-owned fields removed); a pull leg whose D refused the
+connection goes to another D (`send_decode_or_next`)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -15,12 +17,14 @@ from kvferry.connectors.protocol import timeline
 
 from . import bodies
 from .answers import finish_json, kv_params_of
-from .context import TIMELINE, FlowContext, json_headers, passive
-from .errors import RouterError, from_status, from_transport
+from .context import TIMELINE, FlowContext, json_headers, passive, wire_failed
+from .errors import RouterError, from_status, from_transport, never_sent
 from .migrate import Migration
 from .sse import ChunkFilter, EngineFieldFilter, Leg, UpstreamStream
 from .upstreams import Upstream
 from .wire import HDR_DECODE, HDR_TRANSFER
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,8 +76,9 @@ async def send_decode(
         try:
             resp = await ctx.client.send(req, stream=True)
         except httpx.HTTPError as exc:
-            passive(ctx.decode, d, False)
-            raise from_transport(exc, "decode", d.url) from exc
+            err = from_transport(exc, "decode", d.url)
+            wire_failed(ctx.decode, d, err)
+            raise err from exc
         passive(ctx.decode, d, resp.status_code < 500)
         try:
             if resp.status_code >= 400 or not stream:
@@ -109,6 +114,49 @@ async def send_decode(
         media_type=resp.headers.get("content-type", "application/json"),
         headers=resp_headers,
     )
+
+
+async def send_decode_or_next(
+    ctx: FlowContext,
+    endpoint: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    stream: bool,
+    started: float,
+    resp_headers: dict[str, str],
+    d: Upstream,
+    hooks_for: Callable[[Upstream], DecodeHooks],
+    mode: str,
+) -> Response:
+    """`send_decode` on `d`; when `d` refused the connection (or did not accept it in
+    time), the same leg on another healthy D, each D at most once per request.
+
+    Safe because such a D got no byte of the request and the client none of the answer:
+    a pull D READs P's blocks by P's signed offer, which names P (engine, address, blocks)
+    and no D, so any D of the deployment may redeem it; the conversation's lease request
+    names only a lease id. `hooks_for(d)` builds the hooks for the D that serves the leg
+    (commits go to that D). A refusing D is ejected (`UpstreamPool.refused`) until a probe
+    re-admits it.
+    """
+    tried: set[str] = set()
+    while True:
+        hooks = hooks_for(d)
+        try:
+            return await send_decode(ctx, endpoint, path, body, headers, stream, started,
+                                     resp_headers, d, hooks)
+        except RouterError as err:
+            if not never_sent(err):
+                raise
+            tried.add(d.url)
+            if hooks.migration is not None:
+                hooks.migration.failed.add(d.url)  # nor for a later migration of the stream
+            if ctx.decode.healthy_count(tried) == 0:
+                raise
+            nxt = ctx.decode.choose(exclude=tried)
+            ctx.metrics.retries.labels(leg="decode", mode=mode).inc()
+            log.warning("%s; the decode leg goes to %s", err.message, nxt.url)
+            d = nxt
 
 
 def _stream(

@@ -54,3 +54,13 @@ def from_status(status: int, text: str, leg: str, url: str) -> RouterError:
     snippet = text.strip().replace("\n", " ")[:500]
     return RouterError(502, f"{leg} upstream {url} returned HTTP {status}: {snippet}",
                        "upstream_error", leg, f"http_{status}")
+
+
+NOT_SENT = ("connect", "connect_timeout")
+"""`from_transport` kinds of a leg whose connection never opened: the engine got no byte
+of the request, so the same leg may go to another engine as it is."""
+
+
+def never_sent(err: RouterError) -> bool:
+    """The leg failed before its connection opened (see `NOT_SENT`)."""
+    return err.kind in NOT_SENT

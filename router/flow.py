@@ -8,12 +8,14 @@ How a request flows (pull):
 2. The least-loaded P gets the same body with max_tokens=1 (and max_completion_tokens=1
    for chat), stream=false, no stream_options, and
    `kv_transfer_params={"do_remote_decode": true, "transfer_id": <uuid4 hex>}`
-   (`prefill.py`; a P that fails is retried once on another P). P computes the prompt's
+   (`prefill.py`; a P that fails is retried on another P). P computes the prompt's
    KV, keeps the blocks and answers with JSON whose top-level `kv_transfer_params` tells
    a decoder where to read them.
 3. Only now is D chosen (least-loaded, so the choice sees the load at decode time). D gets
    the client's original body plus exactly P's returned `kv_transfer_params`; if P gave
-   none, D gets none and recomputes (warning + metric).
+   none, D gets none and recomputes (warning + metric). A D that refuses the connection
+   is ejected and the same leg goes to another healthy D (`decode.send_decode_or_next`):
+   P's offer names no D.
 4. D's answer goes back to the client (`decode.py`): SSE passed through chunk by chunk,
    or JSON; from both, engine-owned fields (D's own `kv_transfer_params`, which vLLM 0.33
    also streams on the last chunk) are removed (`bodies.ENGINE_FIELDS`,
@@ -45,7 +47,7 @@ from . import bodies
 from .answers import ms_str, passthrough
 from .context import FlowContext, forward_headers
 from .d_local import route_turn
-from .decode import DecodeHooks, send_decode
+from .decode import DecodeHooks, send_decode_or_next
 from .migrate import Migration
 from .prefill import build_legs, prefill_with_retry
 from .push import run_push
@@ -116,6 +118,6 @@ async def run_request(
         kv_params = {**(kv_params or {}), **turn.lease_request(ctx.settings.lease_ttl_s)}
     d_body = bodies.decode_body(clean, kv_params)
     d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
-    return await send_decode(ctx, endpoint, path, d_body, headers, stream, started,
-                             resp_headers, d,
-                             commit_hooks(ctx, turn, d, DecodeHooks(migration=migration)))
+    return await send_decode_or_next(
+        ctx, endpoint, path, d_body, headers, stream, started, resp_headers, d,
+        lambda up: commit_hooks(ctx, turn, up, DecodeHooks(migration=migration)), "pull")

@@ -9,7 +9,7 @@ A break is D's connection failing, D's in-band error event, or its answer ending
 - D had finished (its last chunk passed) but the stream had not: the router ends it.
 - Nothing reached the client yet: the original request goes to a fresh pair.
 - Else a pull prefill of prompt + the tokens sent (`resume.continuation_body`) on the
-  least-loaded P (retried once on another P), then that P's KV to the least-loaded D not
+  least-loaded P (retried on another P, `prefill.py`), then that P's KV to the least-loaded D not
   yet failed in this stream. A D that refuses is skipped; no D or P left: an SSE error
   event saying so, then [DONE].
 
@@ -31,9 +31,9 @@ from typing import Any
 import httpx
 
 from . import bodies
-from .context import FlowContext, json_headers, passive
+from .context import FlowContext, json_headers, passive, wire_failed
 from .conversations import Turn
-from .errors import RouterError
+from .errors import RouterError, from_transport
 from .prefill import build_legs, prefill_with_retry
 from .resume import EventRewriter, Progress, closing_events, continuation_body, unsupported
 from .sse import ChainedFilter, EngineFieldFilter, Leg
@@ -155,7 +155,7 @@ class Migration:
             resp = await ctx.client.send(req, stream=True)
         except httpx.HTTPError as exc:
             ctx.decode.release(d)
-            passive(ctx.decode, d, False)
+            wire_failed(ctx.decode, d, from_transport(exc, "decode", d.url))
             log.warning("migration: decode %s unreachable (%s)", d.url, type(exc).__name__)
             return None
         except BaseException:

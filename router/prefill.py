@@ -1,5 +1,11 @@
-"""The prefill step: the leg bodies of one request, P's POST, and the one retry on another P
-when P failed before any byte reached the client."""
+"""The prefill step: the leg bodies of one request, P's POST, and its retries on other Ps
+when P failed before any byte reached the client.
+
+Retries go to healthy Ps not yet tried by this request. A P that refused the connection
+(or did not accept it in time) never saw the request: the leg moves on to the next P,
+each P at most once. A P that did see it (5xx, a broken or timed-out answer) is retried
+once only, on one other P: a prompt that makes engines fail must not go round the fleet.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,8 @@ import httpx
 from kvferry.connectors.protocol import params as kv
 
 from . import bodies
-from .context import FlowContext, json_headers, passive
-from .errors import RouterError, from_status, from_transport
+from .context import FlowContext, json_headers, passive, wire_failed
+from .errors import RouterError, from_status, from_transport, never_sent
 from .kv_events import choose_prefill
 from .settings import Mode
 from .upstreams import Upstream
@@ -82,8 +88,9 @@ async def post_prefill(
                 p.url + path, content=bodies.encode(body), headers=json_headers(headers),
                 timeout=ctx.timeout("prefill"))
         except httpx.HTTPError as exc:
-            passive(ctx.prefill, p, False)
-            raise from_transport(exc, "prefill", p.url) from exc
+            err = from_transport(exc, "prefill", p.url)
+            wire_failed(ctx.prefill, p, err)
+            raise err from exc
     secs = time.perf_counter() - t0
     ctx.metrics.prefill_seconds.observe(secs)
     passive(ctx.prefill, p, resp.status_code < 500)
@@ -95,29 +102,38 @@ async def post_prefill(
 async def prefill_with_retry(
     ctx: FlowContext, path: str, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[Upstream, httpx.Response, float]:
-    """Pull's P leg on the least-loaded P; one more try on another P when it failed (wire
-    or 5xx): nothing reached the client yet. Returns (P, its answer, seconds)."""
+    """Pull's P leg on the least-loaded P, retried on other Ps when it failed (wire or 5xx:
+    nothing reached the client yet; see the module docstring for how often). Returns (P,
+    its answer, seconds)."""
     p = choose_prefill(ctx, body)  # the P holding most of the prompt, if known
-    try:
-        resp, secs = await post_prefill(ctx, p, path, body, headers)
-    except RouterError as err:
-        other = retry_target(ctx, p, err, "pull")
-        if other is None:
-            raise
-        p = other
-        resp, secs = await post_prefill(ctx, p, path, body, headers)
-    return p, resp, secs
+    tried: set[str] = set()
+    seen_by_p = False  # a P got the request and failed: its one retry is spent
+    while True:
+        try:
+            resp, secs = await post_prefill(ctx, p, path, body, headers)
+            return p, resp, secs
+        except RouterError as err:
+            tried.add(p.url)
+            if not never_sent(err):
+                if seen_by_p:
+                    raise
+                seen_by_p = True
+            other = retry_target(ctx, p, err, "pull", tried)
+            if other is None:
+                raise
+            p = other
 
 
-def retry_target(ctx: FlowContext, p: Upstream, err: RouterError, mode: str
-                 ) -> Upstream | None:
-    """Another P for a prefill leg that failed on `p` (wire or 5xx), or None."""
+def retry_target(ctx: FlowContext, p: Upstream, err: RouterError, mode: str,
+                 tried: set[str] | frozenset[str] = frozenset()) -> Upstream | None:
+    """A healthy P, neither `p` nor in `tried`, for a prefill leg that failed on `p` (wire
+    or 5xx), or None; counts the retry."""
     if err.kind == "no_upstream" or err.status < 500:
         return None
-    try:
-        other = ctx.prefill.choose(exclude={p.url})
-    except RouterError:
+    exclude = {*tried, p.url}
+    if ctx.prefill.healthy_count(exclude) == 0:
         return None
+    other = ctx.prefill.choose(exclude=exclude)
     ctx.metrics.retries.labels(leg="prefill", mode=mode).inc()
     log.warning("prefill %s failed (%s); retrying on %s", p.url, err.message, other.url)
     return other

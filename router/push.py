@@ -26,12 +26,13 @@ from . import bodies
 from .context import TIMELINE, FlowContext
 from .conversations import Turn
 from .decode import DecodeHooks, send_decode
-from .errors import RouterError
+from .errors import RouterError, never_sent
 from .kv_events import choose_prefill
 from .migrate import Migration
 from .prefill import build_legs, post_prefill, retry_target
 from .sse import InsertBeforeDone, UpstreamStream
 from .turns import commit_hooks, reuse_report
+from .upstreams import Upstream
 from .wire import BODY_PREFILL_MS, BODY_REUSE_REASON, BODY_REUSED, HDR_PREFILL, HDR_TRANSFER
 
 log = logging.getLogger(__name__)
@@ -78,17 +79,20 @@ async def run_push(
     turn: Turn | None = None,
     exclude: frozenset[str] = frozenset(),
     migration: Migration | None = None,
+    prefill: Upstream | None = None,
 ) -> Response:
-    """Push: choose D, then P; send both legs at once; D's answer is the client's.
+    """Push: choose D, then P (`prefill` when a retry already chose it); send both legs
+    at once; D's answer is the client's.
 
-    A P leg that fails (wire or 5xx) before D answered is retried once: D's leg is
-    cancelled and both legs go again, on another P. Once D answered, a failing P is logged
-    and counted but D is left alone: its connector falls back (per
-    kv_load_failure_policy) when P's write never comes. A failing D leg or a client that
-    disconnects cancels the P leg.
+    A P leg that fails (wire or 5xx) before D answered is retried: D's leg is cancelled
+    and both legs go again, on another healthy P; once, unless P refused the connection
+    (it never saw the request): then on every P not yet tried, each at most once. Once D
+    answered, a failing P is logged and counted but D is left alone: its connector falls
+    back (per kv_load_failure_policy) when P's write never comes. A failing D leg or a
+    client that disconnects cancels the P leg.
     """
     d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
-    p = choose_prefill(ctx, clean, exclude)
+    p = prefill or choose_prefill(ctx, clean, exclude)
     prefill_kv = ctx.settings.prefill_kv_addr(p.url)
     if prefill_kv is None:
         raise RouterError(400, f"push needs --prefill-kv for {p.url}", "invalid_request_error",
@@ -141,15 +145,15 @@ async def run_push(
                                             stream, started, resp_headers, d, hooks))
     try:
         await asyncio.wait({d_leg, p_failed}, return_when=asyncio.FIRST_COMPLETED)
-        if not d_leg.done() and not exclude:
-            other = retry_target(ctx, p, p_failed.result(), "push")
+        if not d_leg.done() and (not exclude or never_sent(p_failed.result())):
+            other = retry_target(ctx, p, p_failed.result(), "push", exclude)
             if other is not None:  # D has answered nothing: start over with another P
                 d_leg.cancel()
                 await asyncio.gather(d_leg, return_exceptions=True)
                 retry_id = uuid.uuid4().hex  # a fresh transfer: D's old one is cancelled
                 return await run_push(ctx, endpoint, path, clean, retry_id,
                                       {**headers, "x-request-id": retry_id}, stream, started,
-                                      turn, exclude | {p.url}, migration)
+                                      turn, exclude | {p.url}, migration, other)
         resp = await d_leg
     except BaseException:
         d_leg.cancel()

@@ -7,7 +7,8 @@ in between and need no lock.
 Membership changes at run time (discovery, `set_urls`): a vanished engine stops getting
 work at once; requests already holding its `Upstream` finish and release it normally.
 Health: `failed` counts consecutive failures (probes and requests alike) and ejects the
-engine at `eject_after`; `answered` re-admits it. When every engine is ejected the pool
+engine at `eject_after`; `refused` (a connection refused) ejects it at once; `answered`
+re-admits it. When every engine is ejected the pool
 still chooses among all of them: trying is better than refusing for sure.
 """
 
@@ -107,13 +108,23 @@ class UpstreamPool:
     def failed(self, up: Upstream) -> bool:
         """Count a failure (probe or request); True if it ejected the engine just now."""
         up.failures += 1
-        if up.healthy and up.failures >= self.eject_after:
-            up.healthy = False
-            if self._metrics is not None:
-                self._metrics.ejections.labels(role=self.role, upstream=up.url).inc()
-            self._set_health_gauges()
-            return True
-        return False
+        return up.failures >= self.eject_after and self._eject(up)
+
+    def refused(self, up: Upstream) -> bool:
+        """The engine refused a connection: no process listens there (killed, not up yet),
+        so it is ejected now rather than after `eject_after` failures; a probe answered
+        200 re-admits it. True if it ejected the engine just now."""
+        up.failures = max(up.failures + 1, self.eject_after)
+        return self._eject(up)
+
+    def _eject(self, up: Upstream) -> bool:
+        if not up.healthy:
+            return False
+        up.healthy = False
+        if self._metrics is not None:
+            self._metrics.ejections.labels(role=self.role, upstream=up.url).inc()
+        self._set_health_gauges()
+        return True
 
     def answered(self, up: Upstream) -> bool:
         """The engine answered well; True if that re-admitted it."""

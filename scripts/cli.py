@@ -104,6 +104,9 @@ def router(
         help="Consecutive failures that eject an engine until it answers /health.")] = 3,
     drain_timeout: Annotated[float, typer.Option(
         help="On SIGTERM, seconds in-flight requests get to finish.")] = 30.0,
+    max_migrations: Annotated[int, typer.Option(
+        envvar="KVFERRY_MAX_MIGRATIONS", help="Engine pairs a stream may move to after its "
+        "decode engine broke mid-stream (0: the stream ends with an SSE error event).")] = 2,
     d_local_max_new_tokens: Annotated[int, typer.Option(
         envvar="KVFERRY_D_LOCAL_MAX_NEW_TOKENS", help="Turns with at most this many new tokens "
         "are served by the conversation's decode engine from its cache, without P (0: off).")] = 1024,
@@ -145,7 +148,8 @@ def router(
             prefill_kv_port=prefill_kv_port, decode_control_port=decode_control_port,
             dns_interval_s=dns_interval,
             health_interval_s=health_interval, eject_after=eject_after,
-            drain_timeout_s=drain_timeout, d_local_max_new_tokens=d_local_max_new_tokens,
+            drain_timeout_s=drain_timeout, max_migrations=max_migrations,
+            d_local_max_new_tokens=d_local_max_new_tokens,
             d_local_busy_tokens_per_s=d_local_busy_tokens_per_s,
             d_local_max_in_flight=d_local_max_in_flight, content_reuse=content_reuse,
             prefill_kv_events=prefill_kv_events or [],

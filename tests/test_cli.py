@@ -243,6 +243,29 @@ def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r.exit_code != 0  # two ids for one prefill
 
 
+def test_router_max_migrations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--max-migrations` (or $KVFERRY_MAX_MIGRATIONS) sets RouterSettings.max_migrations;
+    the default is the settings' own; a negative count is refused."""
+    from kvferry.router import app as router_app
+
+    seen: list[RouterSettings] = []
+    monkeypatch.setattr(router_app, "serve", lambda settings, **kw: seen.append(settings))
+    monkeypatch.delenv("KVFERRY_MAX_MIGRATIONS", raising=False)
+    base = ["router", "--prefill", "http://a:1", "--decode", "http://c:3"]
+    assert runner.invoke(cli.app, base).exit_code == 0
+    default = RouterSettings.model_fields["max_migrations"].default
+    assert seen[-1].max_migrations == default
+    r = runner.invoke(cli.app, [*base, "--max-migrations", "0"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1].max_migrations == 0
+    r = runner.invoke(cli.app, base, env={"KVFERRY_MAX_MIGRATIONS": "5"})
+    assert r.exit_code == 0, r.output
+    assert seen[-1].max_migrations == 5
+    n = len(seen)
+    r = runner.invoke(cli.app, [*base, "--max-migrations", "-1"])
+    assert r.exit_code != 0 and len(seen) == n
+
+
 def test_model_command(tmp_path: Path) -> None:
     r = runner.invoke(cli.app, ["model", str(tmp_path / "m"), "--shape", "tiny"])
     assert r.exit_code == 0 and (tmp_path / "m" / "config.json").is_file()

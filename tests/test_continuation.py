@@ -16,10 +16,13 @@ from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer.lease_control import ControlServer
+from kvferry.router import continuation
 from kvferry.router.conversations import Conversations, Turn
+from kvferry.router.decode import DecodeHooks
 from kvferry.router.history import Answer, content_key, record
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.settings import RouterSettings
+from kvferry.router.upstreams import Upstream
 
 KEY = b"continuation-secret"
 D_URL = "http://d"
@@ -177,3 +180,39 @@ def test_an_explicit_id_wins_and_content_turns_are_bounded(d: D):
         assert (await conv.begin(nxt, {})).entry is None
 
     run(d, "memory", go, max_conversations=2)
+
+
+def test_an_unrecordable_answer_releases_the_lease_on_the_d_that_finished(d: D):
+    """A content turn whose stream migrated to another D, and whose answer cannot be
+    recorded (an error event): the lease is released on the D that finished the turn,
+    where the migration asked for it, not on the first D."""
+    d1 = D()
+    try:
+        async def go() -> None:
+            settings = RouterSettings(prefill_urls=["http://p"], decode_urls=[D_URL, "http://d1"],
+                                      decode_control_addrs=[f"127.0.0.1:{d.port}",
+                                                            f"127.0.0.1:{d1.port}"])
+            conv = Conversations(settings, RouterMetrics(), KEY)
+            try:
+                turn = await conv.begin(chat(SYS, U1), {})
+                assert turn is not None and turn.content
+                moved: list[str] = []
+                hooks = continuation.track(conv, turn, D_URL, DecodeHooks(
+                    on_moved=lambda up: moved.append(up.url)))
+                # The migration gives the turn a fresh lease, granted by the new D.
+                turn.lease_id = "lease-on-d1"
+                d1.keeper.grant("req-1", turn.lease_request(None)["lease"], [1, 2, 3],
+                                list(range(12)), 12)
+                hooks.on_moved(Upstream("http://d1"))
+                assert moved == ["http://d1"]  # the commit hooks' own on_moved still runs
+                hooks.chunk_filter.feed(b'data: {"error": {"message": "boom"}}\n\n'
+                                        b"data: [DONE]\n\n")
+                await until(lambda: d1.reason("lease-on-d1") == "released")
+                assert conv.metrics.registry.get_sample_value(
+                    "kvferry_router_content_matches_total", {"result": "unrecorded"}) == 1
+            finally:
+                await conv.close()
+
+        asyncio.run(go())
+    finally:
+        d1.server.close()

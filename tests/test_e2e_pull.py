@@ -13,7 +13,9 @@ import time
 import httpx
 import msgspec
 import pytest
+from helpers_http import closed_port_url, serve
 from stack import (
+    ROUTERS,
     assert_no_engine_fields,
     assert_same_output,
     complete,
@@ -25,6 +27,8 @@ from stack import (
 )
 
 from kvferry.connectors.protocol.params import RemotePrefill, prompt_hash, sign
+from kvferry.router.app import create_app
+from kvferry.router.settings import RouterSettings
 
 pytestmark = pytest.mark.engine
 
@@ -123,6 +127,32 @@ def test_bad_offers_recompute_without_leaks(stack):
         assert time.monotonic() - t0 < 30, f"{name}: took {time.monotonic() - t0:.1f}s"
     # Every block P kept for these offers is freed: by D's release notice or P's timeout.
     wait_until(lambda: stack.prefill.kv_usage() == 0, EXTRA["send_timeout_s"] + 15, "P's blocks freed")
+    assert stack.decode.kv_usage() == 0
+
+
+def test_refused_decode_leg_goes_to_another_decode(stack):
+    """A D that refuses the connection (nothing listens: a killed D) is ejected and the
+    same leg, with P's offer as P returned it, goes to the live D, which READs P's blocks:
+    the answer equals colocated and D loaded every prompt token (no recompute)."""
+    dead = closed_port_url()
+    settings = RouterSettings(prefill_urls=[stack.prefill.url],
+                              decode_urls=[dead, stack.decode.url], content_reuse=False,
+                              health_interval_s=0, prefill_timeout_s=120, decode_timeout_s=120)
+    app = create_app(settings, stack.secret.encode())
+    toks = prompt(300, 31)
+    want = complete(stack.prefill.url, stack.model, toks)
+    before = stack.decode.transferred_tokens()
+    with serve(app) as url:
+        ROUTERS.add(url)  # `complete` checks the answer names no engine field
+        got = complete(url, stack.model, toks)  # ties start at the first D: the dead one
+        reg = app.state.metrics.registry
+        assert reg.get_sample_value("kvferry_router_retries_total",
+                                    {"leg": "decode", "mode": "pull"}) == 1
+        assert reg.get_sample_value("kvferry_router_ejections_total",
+                                    {"role": "decode", "upstream": dead}) == 1
+    assert_same_output(got, want)
+    assert stack.decode.transferred_tokens() - before == len(toks)
+    wait_until(lambda: stack.prefill.kv_usage() == 0, 30, "P to free its blocks after D's READ")
     assert stack.decode.kv_usage() == 0
 
 
