@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from helpers_fleet import AUTH, KEY, P_PARAMS, LeasingD, metric, reuse_of
 from helpers_http import FakeEngine, closed_port_url, free_port, serve
 from prometheus_client.parser import text_string_to_metric_families
-from test_router_fleet import AUTH, KEY, P_PARAMS, LeasingD, metric, reuse_of
 
 from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.router.app import create_app
