@@ -98,8 +98,8 @@ class Proc:
 
 
 class ChaosStack:
-    """2 P + 2 D + router on loopback; with fewer than 4 cores each core hosts one P and
-    one D (as tests/test_e2e_2p2d.py does), P engines without prefix caching."""
+    """2 P + 2 D + router on loopback; with fewer than 4 cores both P share the first
+    core and both D the last (as tests/test_e2e_2p2d.py does), P engines without prefix caching."""
 
     def __init__(self, model: str, logs: Path, secret: str, plan: Path | None,
                  ucx_tls: str | None = None, extra: dict[str, Any] | None = None) -> None:
@@ -107,7 +107,9 @@ class ChaosStack:
         self.extra = {**CHAOS_EXTRA, **(extra or {})}
         cpus = available_cpus()
         if len(cpus) < 4:
-            layout = [("p0", cpus[0]), ("p1", cpus[-1]), ("d0", cpus[-1]), ("d1", cpus[0])]
+            # No P shares a core with a D: engines that move KV between them on one core
+            # stall their first transfers for seconds (tests/stack.py, CORE_RULE).
+            layout = [("p0", cpus[0]), ("p1", cpus[0]), ("d0", cpus[-1]), ("d1", cpus[-1])]
         else:
             layout = [("p0", cpus[0]), ("p1", cpus[1]), ("d0", cpus[2]), ("d1", cpus[3])]
         taken: set[int] = set()

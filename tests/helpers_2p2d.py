@@ -1,8 +1,8 @@
 """Two prefill + two decode vLLM CPU engines behind one kvferry router: the stack of
 tests/test_e2e_2p2d.py and of its stress loop tests/chaos/stress_2p2d.py.
 
-Layout: one core per engine on hosts with 4+ cores; with fewer, each core hosts one P and
-one D (P0+D1 on the first, P1+D0 on the last). P engines run without prefix caching so
+Layout: one core per engine on hosts with 4+ cores; with fewer, both P on the first core
+and both D on the last (tests/stack.py's CORE_RULE: no P shares a core with a D). P engines run without prefix caching so
 that conversation turns must READ their history from D.
 """
 
@@ -57,8 +57,8 @@ def start_cluster(es: ExitStack, model: str, logs: Path, secret: str, *, warm: b
     cpus = available_cpus()
     if one_core:
         p_cpus, d_cpus = (cpus[0], cpus[0]), (cpus[0], cpus[0])
-    elif SHARED_CORES:  # P0+D1 on the first core, P1+D0 on the last
-        p_cpus, d_cpus = (cpus[0], cpus[-1]), (cpus[-1], cpus[0])
+    elif SHARED_CORES:  # both P on the first core, both D on the last (CORE_RULE)
+        p_cpus, d_cpus = (cpus[0], cpus[0]), (cpus[-1], cpus[-1])
     else:
         p_cpus, d_cpus = (cpus[0], cpus[1]), (cpus[2], cpus[3])
     children: list = []

@@ -32,6 +32,17 @@ from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env, vllm_en
 from kvferry.scripts.procs import Child, stop_all, wait_healthy
 
 STARTUP_S = float(os.environ.get("KVFERRY_TEST_STARTUP_S", "900"))
+
+# CORE_RULE: engines that move KV between them never share a core; on two cores the Ps
+# share one and the Ds the other. Measured (tests/test_e2e_tp.py's stack, P TP 2 + D TP 1,
+# 2 cores): with P's rank 1 and D both on core 1, a fresh pair's first pull took 0.3-42 s
+# (over 2 s in 14 of 18 start-ups; CI saw it pass the 60 s READ timeout), always while D
+# met P's rank 1 (the hello and NIXL's add_remote_agent took ms; D's transfer thread then
+# did not run again for 2-12 s), and a steady pull took 1.2 s; with P's ranks both on
+# core 0 and D alone on core 1, 31-35 ms and 0.2-0.4 s in 4 of 4. What holds that thread
+# back on the shared core is not known yet (issue #18): both engines' idle workers spin
+# on sched_yield there (vLLM's shm_broadcast busy_loop_s=1), and perf caught D's NIXL
+# progress thread in pthread_spin_lock; UCX_USE_MT_MUTEX=y did not help (2 of 5 slow).
 # Time an engine may take to act on a deadline it passed or an event that already
 # happened (its next poll, a step on shared cores) plus our stats request: the slack
 # added to a configured timeout when a test waits for what that timeout bounds.

@@ -4,9 +4,10 @@ The router spreads requests over both P and both D (least in flight, ties round-
 pull and push alike, and keeps each conversation on the D that holds its leased KV.
 Every answer must equal a colocated run on one P engine.
 
-Layout: one core per engine on hosts with 4+ cores; with fewer, each core hosts one P and
-one D (P0+D1 on the first, P1+D0 on the last). That works because engines leave their
-core alone while they wait: NIXL progress threads wait on events (transport.make_agent)
+Layout: one core per engine on hosts with 4+ cores; with fewer, both P share the first
+core and both D the last: no P shares a core with a D (tests/stack.py's CORE_RULE; the
+old layout, P0+D1 and P1+D0, stalled first transfers for seconds). Two engines per core
+work because engines leave their core alone while they wait: NIXL progress threads wait on events (transport.make_agent)
 and a D whose requests only wait for KV idles in get_finished (idle_step_wait_ms)
 instead of re-stepping in a tight loop. Before those two fixes, four engines on two
 cores stalled for minutes. KVFERRY_TEST_2P2D_SKIP=1 skips the module. P engines run
@@ -113,8 +114,9 @@ def test_requests_spread_over_both_pairs(cluster):
     READ or push registration, waited on it (gdb: zmq recv of `handshake.fetch`, 60 s
     timeout); in one run a registration failed ("no handshake ... within 60.0s"), a READ
     timed out and D recomputed. A READ D gave up never told P, so P held the blocks for
-    120 s; it now does (tests/test_read_release.py). Why P stops taking requests then is
-    not known yet; when a round falls short again, the assertion names D's reason (its
+    120 s; it now does (tests/test_read_release.py). Those stalls hit engines that move KV
+    between them on one core; no P shares a core with a D any more (tests/stack.py's
+    CORE_RULE). When a round falls short again, the assertion names D's reason (its
     warnings) and the round's duration. There is no second round."""
     reads, writes, why = _spread(cluster, 1000)
     assert (reads, writes) == (3, 3), why[:24]

@@ -68,12 +68,12 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         es.callback(stop_all, children)
         ports = [free_port(), free_port()]
         ps = []
-        for cpu, port in zip((cpus[0], cpus[-1]), ports, strict=True):
+        for cpu, port in zip((cpus[0], cpus[0]), ports, strict=True):  # CORE_RULE
             events = {"enable_kv_cache_events": True, "publisher": "zmq",
                       "endpoint": f"tcp://*:{port}"}
             ps.append(start_engine("prefill", model, logs, secret, extra=EXTRA, cpus=(cpu,),
                                    engine_args=("--kv-events-config", json.dumps(events))))
-        d = start_engine("decode", model, logs, secret, extra=EXTRA, cpus=(cpus[0],))
+        d = start_engine("decode", model, logs, secret, extra=EXTRA, cpus=(cpus[-1],))
         children += [e.child for e in (*ps, d)]
         wait_healthy(children, STARTUP_S)
         warm_up([*ps, d], model)

@@ -1,5 +1,5 @@
 """Engines of different TP sizes, end to end: a prefill engine with TP 2 (one KV head per
-rank, each rank on its own core) and a decode engine with TP 1; real vLLM CPU engines
+rank, both ranks on the first core) and a decode engine with TP 1 on the last; real vLLM CPU engines
 with kvferry's connector, behind the router; pull, push and conversation reuse.
 
 P TP 2 -> D TP 1. Pull: D's one rank READs head 0 from P's rank 0 and head 1 from P's
@@ -33,34 +33,32 @@ from stack import (
 
 from kvferry.connectors.memory.backends import KVLayout
 from kvferry.connectors.transfer.handshake import fetch
+from kvferry.scripts.engines import available_cpus
 from kvferry.scripts.procs import stop_all, wait_healthy
 
 pytestmark = pytest.mark.engine
 
 TP_TOL = 0.3
-# Generous: TP workers on two shared cores can starve a side-channel thread for seconds
-# (a CI run timed out a first handshake at 10 s).
 EXTRA = {"recv_timeout_s": 60, "handshake_timeout_s": 45, "send_timeout_s": 120}
 
 
-# P TP 1 -> D TP 2 is left to tests/test_tp_transfer.py: on two cores, D's second TP
-# worker shares a core with P, and its first READ took 10 s in CI and over 60 s here
-# (starved UCX progress), so it cannot run reliably on this machine.
 @pytest.fixture(scope="module", params=[(2, 1)], ids=["p2-d1"])
 def stack(request, tmp_path_factory):
-    """(P, D, router, model); a TP-2 engine runs one rank per core, its peer on one."""
+    """(P, D, router, model): P's TP ranks share the first core, D has the last one
+    (tests/stack.py's CORE_RULE: D sharing a core with P's rank 1 stalled first pulls)."""
     from kvferry.scripts.modelgen import write_model
 
     model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
     logs = tmp_path_factory.mktemp("logs")
     secret = secrets.token_hex(16)
     p_tp, d_tp = request.param
-    binds = {1: "1", 2: "0|1"}
+    first, last = available_cpus()[0], available_cpus()[-1]
+    binds = {"prefill": "|".join([str(first)] * p_tp), "decode": "|".join([str(last)] * d_tp)}
     with ExitStack() as es:
-        p = start_engine("prefill", model, logs, secret, extra=EXTRA, tp=p_tp, bind=binds[p_tp],
+        p = start_engine("prefill", model, logs, secret, extra=EXTRA, tp=p_tp, bind=binds["prefill"],
                          engine_args=("--no-enable-prefix-caching",))  # reuse reads D's KV
         # No prefix cache on D: its colocated reference must not reuse transferred KV.
-        d = start_engine("decode", model, logs, secret, extra=EXTRA, tp=d_tp, bind=binds[d_tp],
+        d = start_engine("decode", model, logs, secret, extra=EXTRA, tp=d_tp, bind=binds["decode"],
                          engine_args=("--no-enable-prefix-caching",))
         children = [p.child, d.child]
         es.callback(stop_all, children)
@@ -68,15 +66,6 @@ def stack(request, tmp_path_factory):
         warm_up([p, d], model)
         router = serve_kvferry_router(es, [p], [d], secret,  # turns via P: D -> P reuse
                                       d_local_max_new_tokens=0)
-        # The first transfer between the two engines sets up NIXL/UCX connections, which
-        # a CI run saw take past the 60 s READ timeout on two shared cores (D then
-        # recomputed, correctly). Set them up here, unasserted; the tests count only
-        # their own transfers. What it waits for: D's first handshake with P, done on
-        # D's transfer thread; right after start-up a starved P was seen to answer
-        # neither requests nor its side channel for 35-60 s (tests/test_e2e_2p2d.py
-        # says more; why P stalls is still open, issue #18).
-        for mode in ("pull", "push"):
-            routed(router, model, prompt(100, 1), mode)
         yield p, d, router, model
 
 

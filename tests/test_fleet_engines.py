@@ -87,7 +87,7 @@ def fleet(tmp_path_factory):
 
         p = start("prefill", cpus[0], ("--no-enable-prefix-caching",))
         d0 = start("decode", cpus[-1])
-        d1 = start("decode", cpus[0])  # joins the routers later, through the engines file
+        d1 = start("decode", cpus[-1])  # joins the routers later, through the engines file
         redis = RedisServer()
         redis.start()
         stack.callback(redis.stop)
