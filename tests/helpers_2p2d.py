@@ -2,8 +2,9 @@
 tests/test_e2e_2p2d.py and of its stress loop tests/chaos/stress_2p2d.py.
 
 Layout: one core per engine on hosts with 4+ cores; with fewer, both P on the first core
-and both D on the last (tests/stack.py's CORE_RULE: no P shares a core with a D). P engines run without prefix caching so
-that conversation turns must READ their history from D.
+and both D on the last (tests/stack.py's CORE_RULE: no P shares a core with a D). P
+engines run without prefix caching so that conversation turns must READ their history
+from D.
 """
 
 from __future__ import annotations
