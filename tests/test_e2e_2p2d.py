@@ -8,7 +8,8 @@ Layout: one core per engine on hosts with 4+ cores; with fewer, both P share the
 core and both D the last: no P shares a core with a D (tests/stack.py's CORE_RULE; the
 old layout, P0+D1 and P1+D0, stalled first transfers for seconds). Two engines per core
 work because engines leave their core alone while they wait: NIXL progress threads wait
-on events (transport.make_agent) and a D whose requests only wait for KV idles in get_finished (idle_step_wait_ms)
+on events (transport.make_agent) and a D whose requests only wait for KV idles in
+get_finished (idle_step_wait_ms)
 instead of re-stepping in a tight loop. Before those two fixes, four engines on two
 cores stalled for minutes. KVFERRY_TEST_2P2D_SKIP=1 skips the module. P engines run
 without prefix caching so that conversation turns must READ their history from D.
