@@ -7,7 +7,10 @@ the agent pattern (a long history, a short new message). kvferry's P keeps prefi
 on but the driver empties it (vLLM's dev endpoint /reset_prefix_cache) before every turn
 of the on/off runs, so P has evicted the history (or is another P) and without reuse
 recomputes it all; for local_hit it empties it only before turn 1 (the ideal: P still
-holds the history). One kvferry stack serves all three, so they share engines. D keeps
+holds the history). `d_local` (issue #17): a second router over the same engines with
+its default turn policy, which sends a turn of at most 1024 new tokens straight to the D
+holding the conversation's KV (D computes only the new tokens; no READ, no P); P's cache
+is emptied as for on/off. One kvferry stack serves them all, so they share engines. D keeps
 vLLM's default prefix caching: within a conversation it holds turn 1's blocks (under the
 lease, or freed but still cached when reuse is off), so P pushes only the blocks D lacks;
 between conversations the driver ends the lease and empties D's cache too.
@@ -38,8 +41,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stack import pd_stack  # noqa: E402
+from helpers_http import serve  # noqa: E402
+from stack import kvferry_router_settings, pd_stack  # noqa: E402
 
+from kvferry.router.app import create_app  # noqa: E402
 from kvferry.scripts.bench import git_commit  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
@@ -189,12 +194,21 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--eager", action="store_true", help="engines without CUDA graphs")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-reuse-on", action="store_true",
+                    help="no D -> P reuse runs (one GPU: P's READ from D stalls for seconds)")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="P and D share GPU 0 (a fixed KV size each): when one GPU is lent")
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.history.split(",")]
     tmp = Path(tempfile.mkdtemp())
     args.model_path = str(write_model(tmp / args.shape, args.shape))
     common: tuple[str, ...] = ("--max-model-len", str(max(args.sizes) + 2048))
-    if args.backend == "cuda":
+    if args.backend == "cpu":  # a local smoke run of this driver
+        args.hardware = "cpu"
+    if args.backend == "cuda" and args.one_gpu:  # two engines profiling at once confuse
+        common += ("--kv-cache-memory-bytes", str(30 << 30))  # vLLM's budget: fixed sizes
+        args.hardware = "h200x1"
+    elif args.backend == "cuda":
         common += ("--gpu-memory-utilization", "0.85")
     if args.eager:
         common += ("--enforce-eager",)
@@ -202,8 +216,9 @@ def main() -> int:
     results: dict[tuple[str, str], dict[int, list[list[dict]]]] = {}
     t0 = time.monotonic()
     # reuse_on rows measure P + D -> P reuse: the router's D-local route is kept out.
+    devices = ((0,), (0,)) if args.one_gpu else (None, None)
     with pd_stack(args.model_path, tmp / "logs", backend=args.backend, engine_args=common,
-                  router={"d_local_max_new_tokens": 0}) as s:
+                  router={"d_local_max_new_tokens": 0}, devices=devices) as s:
         print(f"stack up in {time.monotonic() - t0:.0f}s", flush=True)
         p_url, d_url = s.prefill.url, s.decode.url
 
@@ -218,12 +233,18 @@ def main() -> int:
                 reset_prefix_cache(d_url)
 
         run_mode(s.router, args, "warmup", True, args.mode, 90_000, evicted)  # other prompts
-        results["kvferry", "reuse_on"] = run_mode(s.router, args, "reuse_on", True, args.mode,
-                                                  1000, evicted)
+        if not args.skip_reuse_on:
+            results["kvferry", "reuse_on"] = run_mode(s.router, args, "reuse_on", True,
+                                                      args.mode, 1000, evicted)
         results["kvferry", "reuse_off"] = run_mode(s.router, args, "reuse_off", False,
                                                    args.mode, 1000, evicted)
         results["kvferry", "local_hit"] = run_mode(s.router, args, "local_hit", False,
                                                    args.mode, 1000, warm_only)
+        d_local = kvferry_router_settings([s.prefill], [s.decode], prefill_timeout_s=300,
+                                          decode_timeout_s=300)  # the default turn policy
+        with serve(create_app(d_local, s.secret.encode())) as local_router:
+            results["kvferry", "d_local"] = run_mode(local_router, args, "d_local", True,
+                                                     args.mode, 1000, evicted)
         lines = [ln for ln in s.prefill.log().splitlines() if "reuse READ" in ln]
         print("prefill", len(lines), "reuse READs; last:", lines[-2:], flush=True)
     if not args.skip_vllm:
