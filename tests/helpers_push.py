@@ -3,10 +3,7 @@ D-side receiver with short, fixed timeouts, and destinations of BS-token blocks.
 
 from __future__ import annotations
 
-from kvferry.connectors.protocol.push_match import (
-    Destination,
-    PushMatcher,
-)
+from kvferry.connectors.protocol.push_match import Destination, PushMatcher
 from kvferry.connectors.protocol.push_receive import PushReceiver
 
 BS = 16

@@ -9,11 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvferry.connectors.protocol.push_match import (
-    FreeBlocks,
-    PushMatcher,
-    StartWrite,
-)
+from kvferry.connectors.protocol.push_match import FreeBlocks, PushMatcher, StartWrite
 from kvferry.connectors.protocol.push_receive import PushReceiver, RecvFailed, RecvReady, ReleaseDest
 
 # -- stateful model check ----------------------------------------------------------------
