@@ -1,5 +1,5 @@
 """Fleet test parts that are real processes: a `redis-server` and router replicas run by
-the `kvferry router` CLI (so a test can SIGKILL one), for tests/test_router_fleet.py and
+the `kvferry router` CLI (so a test can SIGKILL one), for tests/test_router_fleet_*.py and
 tests/test_fleet_engines.py."""
 
 from __future__ import annotations

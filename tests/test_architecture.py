@@ -54,10 +54,6 @@ def test_a_contract_breaks_when_violated(tmp_path: Path) -> None:
 
 
 TESTS = ROOT / "tests"
-# tests/gpu/test_gpu_tp.py takes TP_TOL and routed() from test_e2e_tp.py, which this step
-# of #19 may not edit: the one import left. test_the_exceptions_are_still_needed fails
-# once it is gone, so that the entry goes too.
-TEST_IMPORT_EXCEPTIONS = {("gpu/test_gpu_tp.py", "test_e2e_tp")}
 
 
 def _test_module(name: str) -> str | None:
@@ -90,12 +86,8 @@ def imports_between_test_modules() -> set[tuple[str, str]]:
 def test_no_test_module_imports_another() -> None:
     """A test module imported by another runs its module-level code (fixtures, marks,
     skips) twice and couples the two; shared helpers live in tests/helpers_*.py."""
-    found = imports_between_test_modules() - TEST_IMPORT_EXCEPTIONS
+    found = imports_between_test_modules()
     assert found == set(), f"move what these share into tests/helpers_*.py: {sorted(found)}"
-
-
-def test_the_exceptions_are_still_needed() -> None:
-    assert imports_between_test_modules() >= TEST_IMPORT_EXCEPTIONS
 
 
 def test_the_test_import_check_sees_every_form(tmp_path: Path) -> None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import secrets
 from contextlib import ExitStack
 
-import httpx
 import pytest
+from helpers_tp import TP_TOL, routed
 from stack import (
     STARTUP_S,
     Engine,
@@ -45,7 +45,6 @@ from kvferry.scripts.procs import stop_all, wait_healthy
 
 pytestmark = pytest.mark.engine
 
-TP_TOL = 0.3
 EXTRA = {"recv_timeout_s": 60, "handshake_timeout_s": 45, "send_timeout_s": 120}
 
 
@@ -91,18 +90,6 @@ def test_mixed_tp_equals_the_tp1_engine_alone(stack, n):
     got = complete(router, model, toks)
     assert d.transferred_tokens() - before == n, "D must load every prompt token"
     assert_same_output(got, want, tol=TP_TOL)
-
-
-def routed(router: str, model: str, toks: list[int], mode: str, cid: str | None = None
-           ) -> tuple[dict, httpx.Headers]:
-    body = {"model": model, "prompt": toks, "max_tokens": 12, "temperature": 0,
-            "logprobs": 5, "return_token_ids": True}
-    if cid:
-        body["conversation_id"] = cid
-    r = httpx.post(router + "/v1/completions", json=body, timeout=300,
-                   headers={"x-kvferry-mode": mode})
-    r.raise_for_status()
-    return r.json(), r.headers
 
 
 @pytest.mark.parametrize("n", [100, 700])

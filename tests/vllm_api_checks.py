@@ -1,12 +1,11 @@
-"""kvferry against one vLLM version's real Python code (run by test_vllm_versions.py).
+"""kvferry against one vLLM version's real Python code (run by test_vllm_versions.py): the
+connector class against this version's base class and factory, the plugin entry point,
+compat on this version's objects, attention backends' KV heads, sleep mode refused, and
+few large descriptors through cross-layer blocks.
 
-That test starts pytest on this file once per supported version, with the version's
-sources (fetched by .ci/setup) first on PYTHONPATH, so every vLLM object here is that
-version's own: its Scheduler, configs, requests, outputs, connector base class, factory,
-plugin loader, attention backends and KV allocation code. No engine starts and no
-compiled vLLM extension is needed: the scheduler runs in this process, and the tests
-stand in for the model runner with the outputs it would return.
-"""
+test_vllm_versions.py starts pytest on these files once per supported version, with the
+version's sources (fetched by .ci/setup) first on PYTHONPATH, so every vLLM object here is
+that version's own. No engine starts and no compiled vLLM extension is needed."""
 
 from __future__ import annotations
 
@@ -14,136 +13,47 @@ import dataclasses
 import inspect
 import json
 import os
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import helpers_vllm_api
 import pytest
 import torch
 import vllm
-from helpers_http import free_port
+from helpers_vllm_api import (
+    ABSTRACT,
+    BS,
+    NUM_BLOCKS,
+    PROMPT,
+    VERSION,
+    kv_cache_config,
+    request,
+    scheduler,
+    vllm_config,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import base
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 from kvferry.connectors import compat
 from kvferry.connectors.connector import KvferryConnector
 from kvferry.connectors.memory.backends import CpuBackend
-from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.connectors.transfer import layout
-from kvferry.scripts.modelgen import SHAPES, write_model
+from kvferry.scripts.modelgen import SHAPES
 
-VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
-BS = 16  # tokens per block
-NUM_BLOCKS = 64
-PROMPT = list(range(1, 41))  # 40 tokens: 3 blocks
-ABSTRACT = {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-            "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"}
-
-init_none_hash(sha256)
-HASHER = get_request_block_hasher(BS, sha256)
-
-
-@pytest.fixture(autouse=True)
-def _secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(SECRET_ENV, "vllm-api-checks")
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny")
-
-
-def vllm_config(model: Path, extra: dict[str, Any] | None = None, engine_id: str = "E",
-                max_batched: int = 512) -> VllmConfig:
-    """A real VllmConfig for kvferry with fresh side-channel and control ports."""
-    ktc = KVTransferConfig(
-        kv_connector="KvferryConnector", kv_role="kv_both", engine_id=engine_id,
-        kv_connector_module_path="kvferry.connectors.connector", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"side_channel_port": free_port(),
-                                   "lease_control_port": free_port(), **(extra or {})})
-    return VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        model_config=ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=512),
-        cache_config=CacheConfig(block_size=BS),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched,
-                                         max_model_len=512, is_encoder_decoder=False),
-        kv_transfer_config=ktc)
-
-
-def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)])
-
-
-def scheduler(vc: VllmConfig, num_blocks: int = NUM_BLOCKS) -> Scheduler:
-    """vLLM's own scheduler; it creates the scheduler-side KvferryConnector itself."""
-    vc.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=vc, kv_cache_config=kv_cache_config(num_blocks),
-                     structured_output_manager=StructuredOutputManager(vc), block_size=BS,
-                     log_stats=False)
-
-
-@pytest.fixture
-def make(tiny: Path) -> Iterator[Callable[..., Scheduler]]:
-    made: list[Scheduler] = []
-
-    def _make(engine_id: str, extra: dict[str, Any] | None = None, num_blocks: int = NUM_BLOCKS,
-              **kw: Any) -> Scheduler:
-        made.append(scheduler(vllm_config(tiny, extra, engine_id, **kw), num_blocks))
-        return made[-1]
-
-    yield _make
-    for s in made:
-        s.connector.shutdown()
-
-
-def request(req_id: str, prompt: list[int], max_tokens: int, params: dict | None) -> Request:
-    sp = SamplingParams(max_tokens=max_tokens,
-                        extra_args={"kv_transfer_params": params} if params else None)
-    return Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=sp,
-                   pooling_params=None, block_hasher=HASHER)
-
-
-def step(s: Scheduler, kv_out: KVConnectorOutput | None = None) -> tuple[SchedulerOutput, list]:
-    """One engine step: schedule, then what the model runner would return (a token for
-    every request whose prompt is complete, the workers' transfer results)."""
-    so = s.schedule()
-    ids = list(so.num_scheduled_tokens)
-    toks = [[7] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else []
-            for r in ids]
-    out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                            sampled_token_ids=toks, kv_connector_output=kv_out)
-    engine_outputs = s.update_from_output(so, out)
-    return so, [o for eo in engine_outputs.values() for o in eo.outputs]
-
-
-def blocks_of(s: Scheduler, req_id: str) -> list[int]:
-    return list(s.kv_cache_manager.get_block_ids(req_id)[0])
-
-
-def free_blocks(s: Scheduler) -> int:
-    return s.kv_cache_manager.block_pool.get_num_free_blocks()
+_secret = helpers_vllm_api._secret
+tiny = helpers_vllm_api.tiny
 
 
 # -- the version and the class -----------------------------------------------------------------
@@ -211,155 +121,6 @@ def test_plugin_entry_point_registers_with_this_versions_factory(monkeypatch):
     register()  # loaded again in the same process: no error
     ktc = KVTransferConfig(kv_connector="KvferryConnector", kv_role="kv_both")
     assert KVConnectorFactory.get_connector_class(ktc) is KvferryConnector
-
-
-# -- the scheduler side, driven by this version's own Scheduler ---------------------------------
-def _prefill_on_p(P: Scheduler) -> dict:
-    """P computes PROMPT for D (max_tokens 1) and answers with its signed offer."""
-    P.add_request(request("p1", PROMPT, 1, {"do_remote_decode": True}))
-    so, outs = step(P)
-    assert dict(so.num_scheduled_tokens) == {"p1": len(PROMPT)}
-    (out,) = outs
-    assert out.finish_reason is not None and out.kv_transfer_params is not None
-    offer = out.kv_transfer_params
-    assert offer["remote_block_ids"][:3] == blocks_of(P, "p1")[:3]  # P still holds them
-    assert offer["remote_num_tokens"] == len(PROMPT) and offer["remote_engine_id"] == "P"
-    return offer
-
-
-def test_pull_handoff_through_the_real_scheduler(make):
-    P, D = make("P"), make("D")
-    offer = _prefill_on_p(P)
-    held = free_blocks(P)
-    assert held == NUM_BLOCKS - 1 - 3  # the finished prefill's 3 blocks wait for D's READ
-
-    D.add_request(request("d1", PROMPT, 3, dict(offer, do_remote_prefill=True)))
-    so, _ = step(D)
-    assert dict(so.num_scheduled_tokens) == {}
-    assert D.requests["d1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    (task,) = so.kv_connector_metadata.step.recv
-    assert task.local_block_ids == blocks_of(D, "d1")[:3]
-    assert task.remote_block_ids == offer["remote_block_ids"][:3]
-
-    step(D, KVConnectorOutput(finished_recving={"d1"}))  # D's transfer thread: READ done
-    so, _ = step(D)
-    assert dict(so.num_scheduled_tokens) == {"d1": 1}  # D computes the last token only
-    assert D.requests["d1"].status == RequestStatus.RUNNING
-
-    step(P)  # the step after the prefill finished; then, with only p1 waiting for D:
-    assert P.has_requests() is (VERSION >= (0, 24))  # 0.21's engine stops stepping here
-    so, _ = step(P, KVConnectorOutput(finished_sending={"p1"}))  # P's thread: D has read
-    assert free_blocks(P) == NUM_BLOCKS - 1 and "p1" not in P.requests
-    assert not P.connector._sched.waiting_send
-
-
-def test_failed_read_recomputes_the_prompt(make):
-    P, D = make("P"), make("D")
-    offer = _prefill_on_p(P)
-    D.add_request(request("d1", PROMPT, 3, dict(offer, do_remote_prefill=True)))
-    so, _ = step(D)
-    (task,) = so.kv_connector_metadata.step.recv
-    # the READ failed: the worker reports the request done and its first block invalid
-    step(D, KVConnectorOutput(finished_recving={"d1"}, invalid_block_ids={task.local_block_ids[0]}))
-    so, _ = step(D)
-    assert dict(so.num_scheduled_tokens) == {"d1": len(PROMPT)}  # recomputed from block 0
-
-
-def test_early_push_follows_chunked_prefill_blocks(make):
-    """P's early push learns the blocks of a prompt prefilled in chunks from what the
-    scheduler reports each step (compat.step_progress / grown_blocks on this version's
-    SchedulerOutput): the WRITE handed over with the last chunk names them all."""
-    P = make("P", max_batched=32)
-    prompt = list(range(1, 101))  # 100 tokens: 7 blocks, scheduled 32 at a time
-    P.add_request(request("p1", prompt, 1, {"do_remote_decode": True, "push": True,
-                                             "transfer_id": "t1"}))
-    ready, steps = [], 0
-    while not ready:
-        so, outs = step(P)
-        steps += 1
-        ready = so.kv_connector_metadata.step.push_ready
-        assert steps < 6
-    assert steps == 4 and sum(so.num_scheduled_tokens.values()) == 100 - 96
-    (push,) = ready
-    assert push.transfer_id == "t1" and push.num_tokens == 100
-    assert push.block_ids == blocks_of(P, "p1")[:7]
-    assert outs and outs[0].kv_transfer_params == {"transfer_id": "t1", "push": True}
-
-
-def test_push_decode_registers_its_blocks(make):
-    D = make("D")
-    D.add_request(request("d1", PROMPT, 3, {"do_remote_prefill": True, "push": True,
-                                             "transfer_id": "t1", "remote_host": "127.0.0.1",
-                                             "remote_port": 5600}))
-    so, _ = step(D)
-    (reg,) = so.kv_connector_metadata.step.register
-    assert reg.transfer_id == "t1" and reg.block_ids == blocks_of(D, "d1")[:3]
-    assert reg.num_tokens == len(PROMPT) and reg.first_token == 0
-    step(D, KVConnectorOutput(finished_recving={"d1"}))  # P's WRITE landed
-    so, _ = step(D)
-    assert dict(so.num_scheduled_tokens) == {"d1": 1}
-
-
-LEASE_TIMING = {"reuse_read_timeout_s": 0.02, "lease_margin_s": 1.0, "lease_free_grace_s": 0.05}
-
-
-def test_leases_yield_to_running_requests_where_vllm_asks(make):
-    """D keeps a finished turn's blocks under a lease. When a running request needs a
-    block and none is free, 0.32+ asks the connector before preempting
-    (has_pending_block_frees) and the lease yields; older versions never ask: they
-    preempt, and the lease holds its blocks until its TTL or the router's release."""
-    D = make("D", LEASE_TIMING, num_blocks=8)  # 7 usable blocks
-    D.add_request(request("d1", PROMPT, 2, {"lease": {"lease_id": "L1"}}))
-    outs: list = []
-    while not outs or outs[-1].finish_reason is None:
-        _, outs = step(D)
-    lease = outs[-1].kv_transfer_params["lease"]
-    assert lease["lease_id"] == "L1" and lease["block_ids"] == blocks_of(D, "d1")[:2]
-    assert "d1" in D.requests and free_blocks(D) == 7 - 3  # kept for the next turn's P
-
-    D.add_request(request("d2", list(range(100, 164)), 3, None))  # 64 tokens: the 4 free
-    so, _ = step(D)
-    assert dict(so.num_scheduled_tokens) == {"d2": 64} and free_blocks(D) == 0
-    so, _ = step(D)  # d2's next token needs a fifth block
-    assert dict(so.num_scheduled_tokens) == {}
-    held = D.connector._sched.leases.table  # "in": still held (a release frees at once)
-    if VERSION < (0, 32):
-        assert D.requests["d2"].status == RequestStatus.PREEMPTED
-        assert "L1" in held  # nobody asked kvferry
-        return
-    assert D.requests["d2"].status == RequestStatus.RUNNING  # not preempted:
-    assert "L1" not in held  # vLLM asked; kvferry released the least recently used lease
-    time.sleep(LEASE_TIMING["lease_free_grace_s"] * 3)  # a free waits out READs in flight
-    so, _ = step(D)
-    assert so.kv_connector_metadata.step.free == ["d1"]  # the worker frees, then reports it
-    step(D, KVConnectorOutput(finished_sending={"d1"}))
-    so, _ = step(D)
-    assert dict(so.num_scheduled_tokens) == {"d2": 1}
-
-
-def test_worker_side_glue_on_this_base_class(tiny):
-    """The base-class state kvferry's worker side reads, and the calls vLLM's model runner
-    makes around a step (0.32+: get_transfer_results wraps get_finished)."""
-    from kvferry.connectors.connector import KvferryMeta
-    from kvferry.connectors.scheduling.scheduler import StepMeta
-
-    vc, kvc = vllm_config(tiny), kv_cache_config()
-    c = KvferryConnector(vc, base.KVConnectorRole.WORKER, kvc)
-    assert c._vllm_config is vc and c._kv_cache_config is kvc
-    assert c._kv_transfer_config is vc.kv_transfer_config and c.role == base.KVConnectorRole.WORKER
-    meta = KvferryMeta(StepMeta(idle=True))
-    c.bind_connector_metadata(meta)
-    assert c._connector_metadata is meta
-    c.start_load_kv(SimpleNamespace())  # no KV registered yet: nothing to submit
-    c.wait_for_save()
-    assert c.get_finished(set()) == (None, None)
-    if hasattr(base.KVConnectorBase_V1, "get_transfer_results"):
-        res = c.get_transfer_results(set())
-        assert (res.finished_sending, res.finished_recving) == (set(), set())
-    assert c.get_block_ids_with_load_errors() == set()
-    c.clear_connector_metadata()
-    assert c._connector_metadata is None
-    c.shutdown()
 
 
 # -- compat on this version's objects ----------------------------------------------------------

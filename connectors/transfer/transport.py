@@ -6,7 +6,7 @@ block lists whose contiguous runs are merged into single descriptors before subm
 (NIXL is handed few large descriptors, not one per block). Not thread-safe by design:
 exactly one thread (the connector's transfer thread) owns a Transport.
 
-LIBFABRIC (trn2/EFA), where NIXL 1.5.1 behaves unlike UCX (tests/test_libfabric.py, run
+LIBFABRIC (trn2/EFA), where NIXL 1.5.1 behaves unlike UCX (tests/test_libfabric_*.py, run
 over libfabric's tcp provider with FI_PROVIDER=tcp, ofiwg/libfabric man/fabric.7.md;
 trn2 uses efa): its plugin needs a libfabric exporting FABRIC_1.10, libcuda.so.1,
 libcudart.so.N and libhwloc.so.15, and tcp a non-loopback interface

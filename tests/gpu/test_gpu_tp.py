@@ -4,7 +4,7 @@ D with TP 1 on GPU 2, vLLM 0.26.0 CUDA engines, kvferry pull and push through th
     KVFERRY_GPU=1 python -m pytest -q tests/gpu/test_gpu_tp.py
 
 qwen3-0.6b-shaped (8 KV heads: 4 per P rank), dummy weights. Checks: outputs equal D
-serving alone (first-token logprobs within test_e2e_tp.TP_TOL: TP 2's all-reduce rounds
+serving alone (first-token logprobs within helpers_tp.TP_TOL: TP 2's all-reduce rounds
 differently), push equals pull to the bit, every P rank WRITEs, the heads were located in
 the cross-layer blocks (0.26's backend probe). Not run yet: no 3-GPU kind was lent.
 With vLLM's default NHD layout a head segment is one descriptor per (layer, token) of a
@@ -21,6 +21,7 @@ import subprocess
 from contextlib import ExitStack
 
 import pytest
+from helpers_tp import TP_TOL, routed
 from stack import (
     STARTUP_S,
     assert_same_output,
@@ -29,7 +30,6 @@ from stack import (
     settled_writes,
     start_engine,
 )
-from test_e2e_tp import TP_TOL, routed
 
 from kvferry.connectors.memory.backends import KVLayout
 from kvferry.connectors.transfer.handshake import fetch
