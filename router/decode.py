@@ -47,6 +47,7 @@ class DecodeHooks:
     migration: Migration | None = None  # continues a stream whose D broke
     on_moved: Callable[[Upstream], None] | None = None  # the stream continues on this D
     on_answer: Callable[[bytes], None] | None = None  # a 200 JSON answer's bytes, before on_d_params
+    before_json: Callable[[], Awaitable[None]] | None = None  # awaited before json_fields
 
 
 async def send_decode(
@@ -106,6 +107,8 @@ async def send_decode(
         ctx.metrics.ttft.labels(endpoint=endpoint, stream="false").observe(
             time.perf_counter() - started
         )
+        if hooks.before_json is not None:
+            await hooks.before_json()
         extra = hooks.json_fields() if hooks.json_fields else {}
     data = finish_json(data, extra)
     return Response(

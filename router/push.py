@@ -37,6 +37,10 @@ from .wire import BODY_PREFILL_MS, BODY_REUSE_REASON, BODY_REUSED, HDR_PREFILL, 
 
 log = logging.getLogger(__name__)
 
+PUSH_REPORT_WAIT_S = 2.0
+"""How long D's JSON answer may wait for P's (PushPrefill.settle): P's answer is already
+due when D answers, so this bounds only a slow router loop, not a prefill."""
+
 
 @dataclass
 class PushPrefill:
@@ -52,6 +56,17 @@ class PushPrefill:
         """Abort P's request (closes its connection) unless it has finished."""
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+    async def settle(self) -> None:
+        """Wait (up to PUSH_REPORT_WAIT_S) for P's answer before D's JSON answer goes out.
+
+        D answers once P's WRITE landed, so P's prefill is over and its HTTP answer is on
+        its way; but the router may read D's answer first (seen in CI: a reuse turn
+        reported 0 reused tokens while P had read 256 back). Without this wait the P
+        fields (reused tokens, P's time) would be missing from such an answer."""
+        if self.task is None or self.task.done():
+            return
+        await asyncio.wait({self.task}, timeout=PUSH_REPORT_WAIT_S)  # never raises for it
 
     def json_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {} if self.ms is None else {BODY_PREFILL_MS: round(self.ms, 3)}
@@ -139,7 +154,8 @@ async def run_push(
     await asyncio.sleep(0)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
     hooks = commit_hooks(ctx, turn, d, DecodeHooks(
-        json_fields=leg.json_fields, chunk_filter=InsertBeforeDone(leg.sse_event),
+        json_fields=leg.json_fields, before_json=leg.settle,
+        chunk_filter=InsertBeforeDone(leg.sse_event),
         on_abort=leg.cancel, migration=migration))
     d_leg = asyncio.create_task(send_decode(ctx, endpoint, path, legs.decode_body, headers,
                                             stream, started, resp_headers, d, hooks))
