@@ -33,6 +33,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import date
 from pathlib import Path
@@ -175,9 +176,179 @@ def run_mode(router: str, args, label: str, use_cid: bool, mode: str, seed0: int
     return out
 
 
+def background_stream(router: str, model: str, toks: list[int], max_tokens: int,
+                      stop: threading.Event, rec: dict) -> None:
+    """One of D's other streams: decodes until `stop`, then the client hangs up (the router
+    aborts it upstream); rec["times"] gets each chunk's arrival (perf_counter, tokens)."""
+    body = {"model": model, "prompt": toks, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "temperature": 0, "stream": True, "return_token_ids": True}
+    times = rec.setdefault("times", [])
+    with httpx.stream("POST", router + "/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                n = sum(len(ch.get("token_ids") or []) for ch in ev.get("choices", []))
+                if n:
+                    times.append((time.perf_counter(), n))
+            if stop.is_set():
+                return
+
+
+def wait_idle(url: str, timeout_s: float = 60) -> None:
+    """Until vLLM's gauge of running + waiting requests reads 0."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        busy = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+        if busy == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: {busy} requests still open")
+        time.sleep(0.2)
+
+
+def window_tpot(times: list[tuple[float, int]], lo: float, hi: float) -> float | None:
+    """A stream's time per output token over the chunks that arrived in [lo, hi]."""
+    w = [(t, n) for t, n in times if lo <= t <= hi]
+    if len(w) < 2:
+        return None
+    return (w[-1][0] - w[0][0]) * 1e3 / sum(n for _, n in w[1:])
+
+
+def load_run(turn_router: str, bg_router: str, args, label: str, seed0: int,
+             turns: bool) -> dict:
+    """TPOT of --load-streams streams decoding on D while turn 2s of --load-history
+    conversations arrive at --turn-rate per second through `turn_router` (none if not
+    `turns`); each conversation's turn 1 is served beforehand (it leaves D a lease)."""
+    vocab, model = SHAPES[args.shape].vocab_size, args.model_path
+    n_turns = int(args.turn_rate * args.load_window_s)
+    rnd = random.Random(seed0)
+    convs = []
+    for c in range(n_turns if turns else 0):
+        cid = f"{label}-{c}-{os.getpid()}"
+        toks = [rnd.randrange(100, vocab - 100) for _ in range(args.load_history)]
+        _, out, _, _ = stream_turn(turn_router, model, toks, args.output_len, cid, args.mode)
+        extra = [rnd.randrange(100, vocab - 100) for _ in range(args.new_tokens)]
+        convs.append((cid, toks + out + extra))
+    stop, recs = threading.Event(), [dict() for _ in range(args.load_streams)]
+    bg = [threading.Thread(target=background_stream, daemon=True, args=(
+        bg_router, model, [rnd.randrange(100, vocab - 100) for _ in range(args.load_context)],
+        args.max_model_len - args.load_context - 1, stop, rec)) for rec in recs]
+    for t in bg:
+        t.start()
+    deadline = time.monotonic() + 300
+    while not all(rec.get("times") for rec in recs):  # every stream decoding on D
+        if time.monotonic() > deadline or any(not t.is_alive() and not r.get("times")
+                                              for t, r in zip(bg, recs, strict=True)):
+            raise RuntimeError(f"{label}: background streams did not all start")
+        time.sleep(0.05)
+    time.sleep(0.5)
+    lo = time.perf_counter()
+    ttfts, routes, threads = [], [], []
+
+    def one(cid: str, toks: list[int]) -> None:
+        body = {"model": model, "prompt": toks, "max_tokens": args.output_len,
+                "min_tokens": args.output_len, "temperature": 0, "stream": True,
+                "return_token_ids": True, "conversation_id": cid}
+        t0, timing = time.perf_counter(), {}
+        with httpx.stream("POST", turn_router + "/v1/completions", json=body, timeout=300,
+                          headers={"x-kvferry-mode": args.mode}) as r:
+            r.raise_for_status()
+            routes.append(r.headers.get("x-kvferry-route", "p"))
+            for _ in sse_events(r, t0, timing):
+                pass
+        ttfts.append(timing["ttft"])
+
+    for i, (cid, toks) in enumerate(convs):
+        time.sleep(max(0.0, lo + i / args.turn_rate - time.perf_counter()))
+        threads.append(threading.Thread(target=one, args=(cid, toks)))
+        threads[-1].start()
+    time.sleep(max(0.0, lo + args.load_window_s - time.perf_counter()))
+    for t in threads:
+        t.join()
+    hi = time.perf_counter()
+    stop.set()
+    for t in bg:
+        t.join(timeout=60)
+    for cid, _ in convs:
+        httpx.delete(f"{turn_router}/v1/kvferry/conversations/{cid}", timeout=30)
+    wait_idle(args.d_url)  # the hung-up streams aborted on D before the next run
+    tpots = sorted(x for x in (window_tpot(r["times"], lo, hi) for r in recs) if x is not None)
+    gaps = sorted((t1 - t0) * 1e3 for r in recs for (t0, _), (t1, _) in
+                  zip(r["times"], r["times"][1:], strict=False) if lo <= t0 and t1 <= hi)
+    row = {"label": label, "window_s": round(hi - lo, 2), "turns": len(ttfts),
+           "tpot": tpots, "gaps": gaps, "ttfts": sorted(ttfts),
+           "routes": {k: routes.count(k) for k in set(routes)}}
+    print(label, {k: v for k, v in row.items() if k not in ("gaps", "tpot", "ttfts")},
+          "tpot p50/p90", _pct(tpots, 0.5), _pct(tpots, 0.9), "gap p99", _pct(gaps, 0.99),
+          "turn ttft p50", _pct(sorted(ttfts), 0.5), flush=True)
+    return row
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
+
+
 def _median(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return round(statistics.median(xs), 3) if xs else None
+
+
+def _command() -> str:
+    return "python tests/gpu/bench_reuse.py " + " ".join(sys.argv[1:])
+
+
+def write_turn_rows(args, results) -> None:
+    """One line per (impl, mode, history, turn); outputs compared with reuse_off's."""
+    cmd = _command()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        for (impl, mode), by_size in results.items():
+            for size, convs in by_size.items():
+                for ti in range(2):
+                    rows = [conv[ti] for conv in convs]
+                    offs = [conv[ti] for conv in results[impl, "reuse_off"][size]]
+                    ttfts = sorted(r["ttft_ms"] for r in rows)
+                    f.write(json.dumps({
+                        "experiment": "bidirectional", "impl": impl, "mode": mode,
+                        "transfer_mode": args.mode if impl == "kvferry" else "pull",
+                        "hardware": args.hardware,
+                        "model": args.shape, "turn": ti + 1, "history_len": size,
+                        "input_len": rows[0]["input_len"], "new_tokens": args.new_tokens,
+                        "output_len": args.output_len, "qps": 0, "n": len(rows),
+                        "ttft_ms_p50": round(statistics.median(ttfts), 3),
+                        "ttft_ms_p90": round(ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], 3),
+                        "reused_tokens": int(statistics.median(r["reused_tokens"] for r in rows)),
+                        "prefill_ms_p50": _median([r["prefill_ms"] for r in rows]),
+                        "outputs_match": all(r["out"] == o["out"]
+                                             for r, o in zip(rows, offs, strict=True)),
+                        "command": cmd, "commit": git_commit()[0],
+                        "date": date.today().isoformat()}) + "\n")
+
+
+def write_load_rows(args, base: dict, loads: list[tuple[str, dict]]) -> None:
+    """One line per load run: D's other streams' TPOT while turns arrive, against the run
+    without turns (background_tpot_p90_ratio), and the turns' TTFT and routes."""
+    b90 = _pct(base["tpot"], 0.9)
+    with open(args.out, "a") as f:
+        for mode, row in [("no_turns", base)] + loads:
+            p90 = _pct(row["tpot"], 0.9)
+            f.write(json.dumps({
+                "experiment": "bidirectional_load", "impl": "kvferry", "mode": mode,
+                "transfer_mode": args.mode, "hardware": args.hardware, "model": args.shape,
+                "history_len": args.load_history, "new_tokens": args.new_tokens,
+                "output_len": args.output_len, "qps": args.turn_rate if row["turns"] else 0,
+                "n": row["turns"], "background_streams": args.load_streams,
+                "background_context": args.load_context, "window_s": row["window_s"],
+                "ttft_ms_p50": _pct(row["ttfts"], 0.5), "ttft_ms_p90": _pct(row["ttfts"], 0.9),
+                "background_tpot_ms_p50": _pct(row["tpot"], 0.5),
+                "background_tpot_ms_p90": p90,
+                "background_itl_ms_p99": _pct(row["gaps"], 0.99),
+                "background_tpot_p90_ratio": round(p90 / b90, 3) if p90 and b90 else None,
+                "routes": row["routes"], "command": _command(), "commit": git_commit()[0],
+                "date": date.today().isoformat()}) + "\n")
 
 
 def main() -> int:
@@ -198,11 +369,18 @@ def main() -> int:
                     help="no D -> P reuse runs (one GPU: P's READ from D stalls for seconds)")
     ap.add_argument("--one-gpu", action="store_true",
                     help="P and D share GPU 0 (a fixed KV size each): when one GPU is lent")
+    ap.add_argument("--load-streams", type=int, default=16,
+                    help="D's other streams during the load runs (0: no load runs)")
+    ap.add_argument("--load-context", type=int, default=8192)
+    ap.add_argument("--load-history", type=int, default=24576)
+    ap.add_argument("--turn-rate", type=float, default=2.0, help="turn 2s per second")
+    ap.add_argument("--load-window-s", type=float, default=4.0)
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.history.split(",")]
     tmp = Path(tempfile.mkdtemp())
     args.model_path = str(write_model(tmp / args.shape, args.shape))
-    common: tuple[str, ...] = ("--max-model-len", str(max(args.sizes) + 2048))
+    args.max_model_len = max(args.sizes + [args.load_history]) + 2048
+    common: tuple[str, ...] = ("--max-model-len", str(args.max_model_len))
     if args.backend == "cpu":  # a local smoke run of this driver
         args.hardware = "cpu"
     if args.backend == "cuda" and args.one_gpu:  # two engines profiling at once confuse
@@ -221,6 +399,7 @@ def main() -> int:
                   router={"d_local_max_new_tokens": 0}, devices=devices) as s:
         print(f"stack up in {time.monotonic() - t0:.0f}s", flush=True)
         p_url, d_url = s.prefill.url, s.decode.url
+        args.d_url = d_url
 
         def evicted(turn: int) -> None:  # P lost the history (or is another P)
             reset_prefix_cache(p_url)
@@ -245,8 +424,21 @@ def main() -> int:
         with serve(create_app(d_local, s.secret.encode())) as local_router:
             results["kvferry", "d_local"] = run_mode(local_router, args, "d_local", True,
                                                      args.mode, 1000, evicted)
-        lines = [ln for ln in s.prefill.log().splitlines() if "reuse READ" in ln]
-        print("prefill", len(lines), "reuse READs; last:", lines[-2:], flush=True)
+            # the ceiling: D alone serving both turns, turn 2 from its own prefix cache
+            results["kvferry", "engine_local_hit"] = run_mode(d_url, args, "engine_local_hit",
+                                                              False, args.mode, 1000, warm_only)
+            lines = [ln for ln in s.prefill.log().splitlines() if "reuse READ" in ln]
+            print("prefill", len(lines), "reuse READs; last:", lines[-2:], flush=True)
+            write_turn_rows(args, results)
+            if args.load_streams:
+                reset_prefix_cache(p_url)
+                reset_prefix_cache(d_url)
+                base = load_run(local_router, local_router, args, "no_turns", 5000, False)
+                loads = [(mode, load_run(router, router, args, mode, 6000 + 1000 * i, True))
+                         for i, (mode, router) in enumerate((("d_local", local_router),
+                                                             ("reuse_on", s.router)))]
+                write_load_rows(args, base, loads)
+        results.clear()
     if not args.skip_vllm:
         t0 = time.monotonic()
         no_pc = ("--no-enable-prefix-caching",)
@@ -265,30 +457,7 @@ def main() -> int:
             results["vllm-0.26.0", "reuse_off"] = run_mode("", args, "vllm-off", False, "pull",
                                                            1000, None, factory(False))
 
-    cmd = "python tests/gpu/bench_reuse.py " + " ".join(sys.argv[1:])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        for (impl, mode), by_size in results.items():
-            for size, convs in by_size.items():
-                for ti in range(2):
-                    rows = [conv[ti] for conv in convs]
-                    offs = [conv[ti] for conv in results[impl, "reuse_off"][size]]
-                    ttfts = sorted(r["ttft_ms"] for r in rows)
-                    f.write(json.dumps({
-                        "experiment": "bidirectional", "impl": impl, "mode": mode,
-                        "transfer_mode": args.mode if impl == "kvferry" else "pull",
-                        "hardware": args.hardware,
-                        "model": args.shape, "turn": ti + 1, "history_len": size,
-                        "input_len": rows[0]["input_len"], "new_tokens": args.new_tokens,
-                        "output_len": args.output_len, "qps": 0, "n": len(rows),
-                        "ttft_ms_p50": round(statistics.median(ttfts), 3),
-                        "ttft_ms_p90": round(ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], 3),
-                        "reused_tokens": int(statistics.median(r["reused_tokens"] for r in rows)),
-                        "prefill_ms_p50": _median([r["prefill_ms"] for r in rows]),
-                        "outputs_match": all(r["out"] == o["out"]
-                                             for r, o in zip(rows, offs, strict=True)),
-                        "command": cmd, "commit": git_commit()[0],
-                        "date": date.today().isoformat()}) + "\n")
+    write_turn_rows(args, results)
     print(Path(args.out).read_text(), flush=True)
     return 0
 
