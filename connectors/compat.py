@@ -16,6 +16,7 @@ cross-layer hooks (V1 runner)    yes    yes    yes    --     --
 layout request -> block-major    --     --     --     yes    yes
 ``supports_sleep_mode`` hook     --     --     --     --     yes
 ``has_pending_block_frees``      --     --     --     yes    yes
+Scheduler's KV pool, waiting     yes    yes    yes    yes    yes
 request_finished's block_ids     all    all    comp.  comp.  comp.
 steps while P's blocks wait      no     yes    yes    yes    yes
 ==============================  =====  =====  =====  =====  =====
@@ -35,6 +36,13 @@ steps while P's blocks wait      no     yes    yes    yes    yes
 - ``has_pending_block_frees``: 0.32+ asks before preempting a running request that needs
   a block, and D's least recently used lease yields; before 0.32 nothing asks, so leases
   end by TTL, renewal and the router's release only.
+- KV memory pressure: no version tells a connector how many blocks are free or that a
+  new request waits for blocks (``has_pending_block_frees`` covers a running request
+  only). Every version builds the connector inside ``Scheduler.__init__``, so
+  `constructing_scheduler` finds that Scheduler on the call stack, and `kv_pressure`
+  reads its ``kv_cache_manager.block_pool`` (``get_num_free_blocks``,
+  ``num_gpu_blocks``) and its ``waiting`` queue (``peek_request``) each step: all
+  present, with these names, from 0.21 to 0.33.
 - 0.21 and 0.24 pass all of a finished request's blocks (0.26+ only those holding
   computed tokens); D reads, and a lease keeps, only blocks of computed tokens.
 - 0.21's engine stops stepping when no request is queued or running, so P learns that
@@ -44,7 +52,9 @@ steps while P's blocks wait      no     yes    yes    yes    yes
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401 (re-exported)
@@ -136,6 +146,49 @@ def step_progress(scheduler_output: Any) -> dict[str, tuple[int, int]]:
     computed.update(zip(cached.req_ids, map(int, cached.num_computed_tokens), strict=False))
     return {req_id: (computed.get(req_id, 0), int(n))
             for req_id, n in scheduler_output.num_scheduled_tokens.items()}
+
+
+def constructing_scheduler(max_depth: int = 12) -> Any | None:
+    """The vLLM Scheduler whose ``__init__`` is building the calling connector (through
+    ``KVConnectorFactory.create_connector``), found on the call stack; None elsewhere
+    (a connector built by a test or another caller)."""
+    from vllm.v1.core.sched.interface import SchedulerInterface
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, SchedulerInterface):
+            return obj
+    return None
+
+
+@dataclass(frozen=True)
+class KvPressure:
+    free: int  # blocks an allocation may take now (free or cached-but-unused)
+    total: int
+    head_need: int  # blocks the first waiting request needs for its next step (0: none)
+
+
+def kv_pressure(scheduler: Any, block_size: int) -> KvPressure | None:
+    """The Scheduler's free KV blocks and what its first waiting request needs (its next
+    chunk: at most ``max_num_scheduled_tokens``, plus one lookahead token); None if this
+    Scheduler has not built its KV cache manager yet."""
+    try:
+        pool = scheduler.kv_cache_manager.block_pool
+        free, total = int(pool.get_num_free_blocks()), int(pool.num_gpu_blocks)
+        waiting = scheduler.waiting
+        head = waiting.peek_request() if len(waiting) else None
+        chunk = int(getattr(scheduler, "max_num_scheduled_tokens", 1 << 30))
+    except AttributeError:
+        return None
+    need = 0  # a head waiting on something else (remote KV, a grammar) holds its blocks
+    if head is not None and head.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        tokens = min(int(head.num_tokens) + 1, int(head.num_computed_tokens) + chunk)
+        need = -(-tokens // block_size)
+    return KvPressure(free, total, need)
 
 
 def preempted(scheduler_output: Any) -> set[str]:

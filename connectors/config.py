@@ -76,6 +76,12 @@ class ConnectorConfig(BaseModel):
     decoder_kv_blocks_ttl: float = Field(lease.DEFAULT_TTL, gt=0)
     lease_max_lifetime_s: float = Field(lease.DEFAULT_MAX_LIFETIME, gt=0)
     lease_max_fraction: float = Field(0.5, gt=0, le=1)
+    # D releases least recently used leases while its free KV blocks (free or merely
+    # cached) fall below this fraction of the cache, or below what its first waiting
+    # request needs: a released lease's blocks come free lease_free_grace_s later, so the
+    # reserve must cover that long of growth (16 streams decoding at ~10 ms a step grow
+    # ~300 blocks in 3 s, 2% of a 13.6k-block H200 cache at 30 GiB of qwen3-8b KV).
+    lease_free_watermark: float = Field(0.02, ge=0, lt=1)
     # Lease control channel (router -> D); default: default_control_port, the port after
     # the TP ranks' side-channel ports (side_channel_port + TP size).
     lease_control_port: int | None = Field(None, ge=1, le=65535)

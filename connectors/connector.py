@@ -69,7 +69,9 @@ class KvferryConnector(KVConnectorBase_V1):
         self._step = 0  # worker side: engine steps begun (early push waits for the next)
         # Boot id: tells a restarted engine (same engine id, different blocks) apart.
         self.instance = str(getattr(vllm_config, "instance_id", "") or id(self))
+        self._scheduler: Any = None  # the vLLM Scheduler (D's leases watch its free KV)
         if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = compat.constructing_scheduler()
             tp = vllm_config.parallel_config.tensor_parallel_size
             cfg = self.cfg
             if not secret():
@@ -156,9 +158,18 @@ class KvferryConnector(KVConnectorBase_V1):
                 sched.plan_push(progress, grown, compat.preempted(scheduler_output))
             if timeline.ENABLED:
                 sched.note_scheduled(progress)
+        if sched.leases is not None and sched.leases.num_blocks and self._scheduler is not None:
+            self._relieve_pressure(sched.leases)
         meta = self._sched.take_meta()
         meta.idle = compat.scheduled_tokens(scheduler_output) == 0
         return KvferryMeta(meta)
+
+    def _relieve_pressure(self, leases: Any) -> None:
+        """Leases yield to live requests before one waits for blocks or is preempted:
+        every vLLM version, not only those that ask (`has_pending_block_frees`)."""
+        p = compat.kv_pressure(self._scheduler, self.block_size)
+        if p is not None:
+            leases.relieve(p.free, p.total, p.head_need, self.cfg.lease_free_watermark)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.worker_done(set(connector_output.finished_sending or ()),

@@ -181,6 +181,10 @@ EngineArgOpt = Annotated[list[str] | None, typer.Option(
 UcxOpt = Annotated[str | None, typer.Option(help="Set UCX_TLS for the engines.")]
 NixlOpt = Annotated[list[str] | None, typer.Option(
     help="NIXL backend(s) of the kvferry connector (default: the memory backend's choice).")]
+ShareDeviceOpt = Annotated[float | None, typer.Option(
+    "--share-device", metavar="KV_GIB",
+    help="CUDA: run P and D on the same GPU(s), each with this many GiB of KV cache "
+         "(one GPU lent; transfers between them stay on the device).")]
 DecodeDevicesOpt = Annotated[int | None, typer.Option(
     help="TP size of the decode engine when it differs from the prefill's "
          "(--devices-per-engine); KV moves by head segments between the two.")]
@@ -202,6 +206,7 @@ def up(
     nixl_backend: NixlOpt = None,
     devices_per_engine: int = 1,
     decode_devices: DecodeDevicesOpt = None,
+    share_device: ShareDeviceOpt = None,
     startup_timeout: float = 900.0,
     demo: Annotated[bool, typer.Option("--demo", help="Run the demo, then stop.")] = False,
     demo_max_tokens: int = 160,
@@ -218,7 +223,7 @@ def up(
         engine_arg=engine_arg or [], ucx_tls=ucx_tls, nixl_backends=nixl_backend,
         devices_per_engine=devices_per_engine, decode_devices=decode_devices,
         startup_timeout=startup_timeout, run_demo_after=demo, demo_max_tokens=demo_max_tokens,
-        dry_run=dry_run, state=state))
+        dry_run=dry_run, state=state, share_device_gib=share_device))
 
 
 @app.command(context_settings=EXTRA)
@@ -236,6 +241,7 @@ def run(
     ucx_tls: UcxOpt = None,
     devices_per_engine: int = 1,
     decode_devices: DecodeDevicesOpt = None,
+    share_device: ShareDeviceOpt = None,
     startup_timeout: float = 900.0,
     demo_max_tokens: int = 160,
 ) -> None:
@@ -246,7 +252,7 @@ def run(
         connector=connector, mode=mode, max_model_len=max_model_len,
         engine_arg=engine_arg or [], ucx_tls=ucx_tls, devices_per_engine=devices_per_engine,
         decode_devices=decode_devices, startup_timeout=startup_timeout, run_demo_after=True,
-        demo_max_tokens=demo_max_tokens, dry_run=False))
+        demo_max_tokens=demo_max_tokens, dry_run=False, share_device_gib=share_device))
 
 
 def main() -> None:

@@ -298,3 +298,18 @@ def format_ranges(ids: tuple[int, ...] | list[int]) -> str:
 
 def _run_str(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+# vLLM checks at start that free memory >= --gpu-memory-utilization x the device's total
+# (vllm/v1/worker/gpu_worker.py, "Free memory on device ... is less than desired"), even
+# when --kv-cache-memory-bytes sizes the KV cache; the engine started second sees the
+# first's weights and KV gone, so each engine claims under half (qwen3-8b on one H200:
+# 0.92 failed, 0.4 started both; commit 7cd801a, tests/gpu/bench_reuse.py --one-gpu).
+SHARED_DEVICE_UTILIZATION = 0.4
+
+
+def shared_device_args(kv_gib: float) -> tuple[str, ...]:
+    """Engine flags for P and D sharing one GPU: a fixed KV size each (two engines
+    profiling at once would each size their cache from memory the other is taking)."""
+    return ("--kv-cache-memory-bytes", str(int(kv_gib * (1 << 30))),
+            "--gpu-memory-utilization", str(SHARED_DEVICE_UTILIZATION))

@@ -26,6 +26,7 @@ from .engines import (
     EngineSpec,
     engine_argv,
     engine_env,
+    shared_device_args,
     vllm_engine_id,
 )
 from .modelgen import write_model
@@ -74,11 +75,16 @@ def _port_busy(port: int) -> bool:
 def up_engines(model: str, hardware_backend: str, ports: dict[str, int], tp: dict[str, int], *,
                connector: str = "kvferry", mode: str = "pull", max_model_len: int | None = 4096,
                ucx_tls: str | None = None, nixl_backends: list[str] | None = None,
-               extra: tuple[str, ...] = ()) -> dict[str, EngineSpec]:
+               extra: tuple[str, ...] = (), share_device_gib: float | None = None,
+               ) -> dict[str, EngineSpec]:
     """`up`'s two engines on this host, P then D: devices numbered P first, D's side-channel
-    ports after P's ranks and lease control (the one port layout: engines.py)."""
+    ports after P's ranks and lease control (the one port layout: engines.py).
+
+    ``share_device_gib`` (CUDA): P and D on the same GPUs, each with that much KV cache."""
     specs: dict[str, EngineSpec] = {}
     side, first = SIDE_CHANNEL_PORT, 0
+    if share_device_gib is not None:
+        extra = extra + shared_device_args(share_device_gib)
     for role in ROLES:
         spec = specs[role] = EngineSpec(
             role=role, model=model, port=ports[role],
@@ -89,7 +95,8 @@ def up_engines(model: str, hardware_backend: str, ports: dict[str, int], tp: dic
             devices=None if hardware_backend == "cpu" else tuple(range(first, first + tp[role])),
             ucx_tls=ucx_tls, nixl_backends=tuple(nixl_backends or ()), extra_args=extra,
         )
-        side, first = spec.next_side_channel_port, first + tp[role]
+        side = spec.next_side_channel_port
+        first = 0 if share_device_gib is not None else first + tp[role]
     return specs
 
 
@@ -114,11 +121,16 @@ def up_stack(
     dry_run: bool,
     state: str = "memory",
     nixl_backends: list[str] | None = None,
+    share_device_gib: float | None = None,
 ) -> int:
     """`up` and `run`: start (or with ``dry_run`` print) the stack; the exit code."""
     choice(hardware_backend, BACKENDS, "--hardware-backend")
     choice(connector, CONNECTORS, "--connector")
     choice(mode, ("pull", "push"), "--mode")
+    if share_device_gib is not None and hardware_backend != "cuda":
+        typer.echo("--share-device puts P and D on the same GPU: it needs --hardware-backend "
+                   "cuda (NeuronCores and CPU cores are not shared)", err=True)
+        return 2
     if model_dir is None:
         model_dir = STATE_DIR / "models" / "tiny"
         if not dry_run:
@@ -132,7 +144,8 @@ def up_stack(
     tp = {"prefill": devices_per_engine, "decode": decode_devices or devices_per_engine}
     specs = up_engines(str(model_dir.resolve()), hardware_backend, ports, tp, connector=connector,
                        mode=mode, max_model_len=max_model_len, ucx_tls=ucx_tls,
-                       nixl_backends=nixl_backends or [], extra=extra)
+                       nixl_backends=nixl_backends or [], extra=extra,
+                       share_device_gib=share_device_gib)
     for role, spec in specs.items():
         children.append(Child(role, engine_argv(spec), logs / f"{role}.log",
                               f"http://127.0.0.1:{ports[role]}/health",

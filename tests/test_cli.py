@@ -392,3 +392,20 @@ def test_up_stops_on_sigterm(tmp_path: Path) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
+
+
+def test_dry_run_with_p_and_d_sharing_one_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--share-device: both engines on GPU 0, each with a fixed KV size and a utilization
+    the second engine's start-up check can meet; refused off CUDA."""
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--hardware-backend", "cuda",
+                                "--share-device", "30"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    for role in ("prefill", "decode"):
+        cmd = lines[lines.index(next(x for x in lines if x.startswith(f"# {role}"))) + 1]
+        assert "CUDA_VISIBLE_DEVICES=0 " in cmd
+        assert f"--kv-cache-memory-bytes {30 << 30}" in cmd
+        assert "--gpu-memory-utilization 0.4" in cmd
+    bad = runner.invoke(cli.app, ["up", "--dry-run", "--share-device", "30"])
+    assert bad.exit_code == 2 and "--hardware-backend cuda" in bad.output

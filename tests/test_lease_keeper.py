@@ -285,3 +285,42 @@ def test_evict_for_pressure_honours_recent_use():
     k.renew("a")
     assert k.evict_for_pressure() is True
     assert k.table.get("a") is not None and k.table.get("b") is None
+
+
+@pytest.mark.parametrize("free,total,head,wm,released", [
+    (10, 100, 0, 0.05, []),             # above the 5-block reserve: nothing
+    (5, 100, 0, 0.05, []),              # exactly at it
+    (4, 100, 0, 0.05, ["a"]),           # below: the least recent lease (2 blocks) suffices
+    (2, 100, 0, 0.05, ["a", "b"]),      # needs 3: a's 2 are not enough, b goes too
+    (0, 100, 0, 0.05, ["a", "b", "c"]),  # short of 5 even with all 6: all go
+    (10, 100, 12, 0.0, ["a"]),          # the first waiting request needs 12
+    (10, 100, 10, 0.0, []),             # ... or exactly what is free
+    (0, 100, 0, 0.0, []),               # no reserve, nobody waiting: vLLM's question only
+])
+def test_relieve_releases_least_recent_leases_until_the_want_is_covered(free, total, head, wm,
+                                                                         released):
+    c = Clock()
+    k = keeper(c)
+    for lid in ("a", "b", "c"):  # 2 blocks each, a granted first
+        grant(k, lid, req=f"r{lid}")
+    assert k.relieve(free, total, head, wm) == released
+    assert k.released_for_pressure == len(released)
+    for lid in released:
+        assert reason(lambda lid=lid: k.info(lid)) == "released"
+    assert k.num_blocks == 2 * (3 - len(released))
+
+
+def test_relieve_counts_blocks_already_on_their_way():
+    """Released leases free after the grace; a step in between must not release more for
+    the same shortfall."""
+    c = Clock()
+    k = keeper(c)
+    for lid in ("a", "b"):
+        grant(k, lid, req=f"r{lid}")
+    assert k.relieve(3, 100, 0, 0.05) == ["a"]  # wants 5: 3 free + a's 2
+    c.t += GRACE / 2
+    assert k.relieve(3, 100, 0, 0.05) == []  # a's blocks not free yet, but coming
+    assert k.relieve(2, 100, 0, 0.05) == ["b"]  # the shortfall grew by one block
+    c.t += GRACE
+    assert sorted(k.due_frees()) == ["ra", "rb"]
+    assert k.relieve(0, 100, 0, 0.05) == [] and k.num_blocks == 0

@@ -1,6 +1,6 @@
 """kvferry against one vLLM version's real Scheduler (run by test_vllm_versions.py): pull
 handoff, failed reads recomputed, early push over chunked prefill, push registration,
-leases yielding to running requests, and the worker-side glue; the tests stand in for
+leases yielding to running and waiting requests, and the worker-side glue; the tests stand in for
 the model runner with the outputs it would return.
 
 test_vllm_versions.py starts pytest on these files once per supported version, with the
@@ -130,8 +130,9 @@ def test_leases_yield_to_running_requests_where_vllm_asks(make):
     """D keeps a finished turn's blocks under a lease. When a running request needs a
     block and none is free, 0.32+ asks the connector before preempting
     (has_pending_block_frees) and the lease yields; older versions never ask: they
-    preempt, and the lease holds its blocks until its TTL or the router's release."""
-    D = make("D", LEASE_TIMING, num_blocks=8)  # 7 usable blocks
+    preempt, and the lease then yields to the preempted request waiting first."""
+    D = make("D", dict(LEASE_TIMING, lease_free_watermark=0), num_blocks=8)  # 7 usable;
+    # no reserve: only vLLM's question can make the lease yield here
     D.add_request(request("d1", PROMPT, 2, {"lease": {"lease_id": "L1"}}))
     outs: list = []
     while not outs or outs[-1].finish_reason is None:
@@ -147,9 +148,9 @@ def test_leases_yield_to_running_requests_where_vllm_asks(make):
     assert dict(so.num_scheduled_tokens) == {}
     held = D.connector._sched.leases.table  # "in": still held (a release frees at once)
     if VERSION < (0, 32):
-        assert D.requests["d2"].status == RequestStatus.PREEMPTED
-        assert "L1" in held  # nobody asked kvferry
-        return
+        assert D.requests["d2"].status == RequestStatus.PREEMPTED  # nobody asked kvferry;
+        assert "L1" not in held  # the preempted request now waits first: the lease yields
+        return  # (the reserve, test_a_lease_yields_to_the_reserve..., avoids the preemption)
     assert D.requests["d2"].status == RequestStatus.RUNNING  # not preempted:
     assert "L1" not in held  # vLLM asked; kvferry released the least recently used lease
     time.sleep(LEASE_TIMING["lease_free_grace_s"] * 3)  # a free waits out READs in flight
@@ -158,6 +159,58 @@ def test_leases_yield_to_running_requests_where_vllm_asks(make):
     step(D, KVConnectorOutput(finished_sending={"d1"}))
     so, _ = step(D)
     assert dict(so.num_scheduled_tokens) == {"d2": 1}
+
+
+def _leased_turn(D: Scheduler) -> None:
+    """d1 (3 blocks) finishes under lease L1: 4 of 7 usable blocks stay free."""
+    D.add_request(request("d1", PROMPT, 2, {"lease": {"lease_id": "L1"}}))
+    outs: list = []
+    while not outs or outs[-1].finish_reason is None:
+        _, outs = step(D)
+    assert "L1" in D.connector._sched.leases.table and free_blocks(D) == 4
+
+
+def _lease_freed(D: Scheduler) -> None:
+    """After the grace, the step hands d1's blocks to the worker, which reports them."""
+    time.sleep(LEASE_TIMING["lease_free_grace_s"] * 3)
+    so, _ = step(D)
+    assert so.kv_connector_metadata.step.free == ["d1"]
+    step(D, KVConnectorOutput(finished_sending={"d1"}))
+
+
+def test_a_lease_yields_before_a_new_request_waits_for_blocks(make):
+    """No version asks the connector when a new request cannot get blocks; kvferry reads
+    the Scheduler's free blocks and waiting queue every step (`compat.kv_pressure`) and
+    releases the least recently used lease the first waiting request needs."""
+    D = make("D", dict(LEASE_TIMING, lease_free_watermark=0), num_blocks=8)
+    _leased_turn(D)
+    keeper = D.connector._sched.leases
+    D.add_request(request("d2", list(range(100, 180)), 2, None))  # 80 tokens: 6 blocks
+    so, _ = step(D)
+    assert dict(so.num_scheduled_tokens) == {} and D.requests["d2"].status == RequestStatus.WAITING
+    assert "L1" not in keeper.table and keeper.released_for_pressure == 1
+    _lease_freed(D)
+    so, _ = step(D)
+    assert dict(so.num_scheduled_tokens) == {"d2": 80}
+    assert keeper.released_for_pressure == 1
+
+
+def test_a_lease_yields_to_the_reserve_before_anything_is_preempted(make):
+    """Below the free-block watermark (here half the cache) D releases leases at once, so
+    their blocks are free (after the grace) before a running request needs them: no
+    preemption on any version, also those that never ask `has_pending_block_frees`."""
+    D = make("D", dict(LEASE_TIMING, lease_free_watermark=0.5), num_blocks=8)
+    _leased_turn(D)  # 4 free of 8: at the reserve, nothing released
+    keeper = D.connector._sched.leases
+    assert keeper.released_for_pressure == 0
+    D.add_request(request("d2", list(range(100, 164)), 3, None))  # 64 tokens: the 4 free
+    so, _ = step(D)
+    assert dict(so.num_scheduled_tokens) == {"d2": 64} and free_blocks(D) == 0
+    assert "L1" not in keeper.table and keeper.released_for_pressure == 1
+    _lease_freed(D)
+    so, _ = step(D)  # d2's next token takes a block d1 held
+    assert dict(so.num_scheduled_tokens) == {"d2": 1}
+    assert D.requests["d2"].status == RequestStatus.RUNNING
 
 
 def test_worker_side_glue_on_this_base_class(tiny):

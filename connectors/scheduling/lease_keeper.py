@@ -17,6 +17,7 @@ lease only ``free_grace`` seconds later (> P's read timeout), and an expired one
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +52,8 @@ class LeaseKeeper:
         self.clock = clock
         self.table = LeaseTable(ttl, max_lifetime=max_lifetime, max_blocks=max_blocks)
         self._offers: dict[str, LeaseOffer] = {}
-        self._frees: list[tuple[float, str]] = []  # (free at, req id)
+        self._frees: list[tuple[float, str, int]] = []  # (free at, req id, blocks)
+        self.released_for_pressure = 0  # leases ended early because D needed the memory
         self._last_tick = float("-inf")
         self._lock = threading.Lock()
 
@@ -97,8 +99,8 @@ class LeaseKeeper:
                 self._schedule(self.table.tick(now), now)
             if not self._frees:
                 return []
-            due = [r for at, r in self._frees if at <= now]
-            self._frees = [(at, r) for at, r in self._frees if at > now]
+            due = [r for at, r, _ in self._frees if at <= now]
+            self._frees = [f for f in self._frees if f[0] > now]
             return due
 
     def evict_for_pressure(self) -> bool:
@@ -114,6 +116,29 @@ class LeaseKeeper:
             log.info("lease %s: released early, decode needs its blocks", victim)
             self._schedule(self.table.release(victim, now), now)
             return True
+
+    def relieve(self, free: int, total: int, head_need: int, watermark: float) -> list[str]:
+        """Memory is getting short: release least recently used leases until the free
+        blocks plus those already on their way cover ``max(watermark * total, head_need)``
+        (the reserve running requests grow into, and what the first waiting request
+        needs). Any vLLM version, every step; the lease ids released."""
+        want = max(math.ceil(watermark * total), head_need)
+        if free >= want:
+            return []
+        now = self.clock()
+        released: list[str] = []
+        with self._lock:
+            coming = sum(n for _, _, n in self._frees)
+            while free + coming < want and (victim := self.table.least_recent()) is not None:
+                freed = self.table.release(victim, now)
+                coming += sum(len(f.block_ids) for f in freed)
+                self._schedule(freed, now)
+                released.append(victim)
+            self.released_for_pressure += len(released)
+        if released:
+            log.info("leases %s: released early, %d of %d KV blocks free and %d wanted",
+                     released, free, total, want)
+        return released
 
     @property
     def num_blocks(self) -> int:
@@ -149,6 +174,6 @@ class LeaseKeeper:
     def _schedule(self, freed: list[FreeBlocks], now: float) -> None:
         for f in freed:
             self._offers.pop(f.lease_id, None)
-            self._frees.append((now + self.free_grace, f.req_id))
+            self._frees.append((now + self.free_grace, f.req_id, len(f.block_ids)))
             log.info("lease %s (request %s) ended: %s; %d blocks free in %.1fs", f.lease_id,
                      f.req_id, f.reason, len(f.block_ids), self.free_grace)

@@ -47,6 +47,7 @@ from stack import kvferry_router_settings, pd_stack  # noqa: E402
 
 from kvferry.router.app import create_app  # noqa: E402
 from kvferry.scripts.bench import git_commit  # noqa: E402
+from kvferry.scripts.engines import shared_device_args  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
 
@@ -218,7 +219,7 @@ def window_tpot(times: list[tuple[float, int]], lo: float, hi: float) -> float |
 
 
 def load_run(turn_router: str, bg_router: str, args, label: str, seed0: int,
-             turns: bool) -> dict:
+             turns: bool, streams: int | None = None) -> dict:
     """TPOT of --load-streams streams decoding on D while turn 2s of --load-history
     conversations arrive at --turn-rate per second through `turn_router` (none if not
     `turns`); each conversation's turn 1 is served beforehand (it leaves D a lease)."""
@@ -232,7 +233,7 @@ def load_run(turn_router: str, bg_router: str, args, label: str, seed0: int,
         _, out, _, _ = stream_turn(turn_router, model, toks, args.output_len, cid, args.mode)
         extra = [rnd.randrange(100, vocab - 100) for _ in range(args.new_tokens)]
         convs.append((cid, toks + out + extra))
-    stop, recs = threading.Event(), [dict() for _ in range(args.load_streams)]
+    stop, recs = threading.Event(), [dict() for _ in range(streams or args.load_streams)]
     bg = [threading.Thread(target=background_stream, daemon=True, args=(
         bg_router, model, [rnd.randrange(100, vocab - 100) for _ in range(args.load_context)],
         args.max_model_len - args.load_context - 1, stop, rec)) for rec in recs]
@@ -278,7 +279,7 @@ def load_run(turn_router: str, bg_router: str, args, label: str, seed0: int,
     tpots = sorted(x for x in (window_tpot(r["times"], lo, hi) for r in recs) if x is not None)
     gaps = sorted((t1 - t0) * 1e3 for r in recs for (t0, _), (t1, _) in
                   zip(r["times"], r["times"][1:], strict=False) if lo <= t0 and t1 <= hi)
-    row = {"label": label, "window_s": round(hi - lo, 2), "turns": len(ttfts),
+    row = {"label": label, "window_s": round(hi - lo, 2), "turns": len(ttfts), "streams": len(recs),
            "tpot": tpots, "gaps": gaps, "ttfts": sorted(ttfts),
            "routes": {k: routes.count(k) for k in set(routes)}}
     print(label, {k: v for k, v in row.items() if k not in ("gaps", "tpot", "ttfts")},
@@ -340,7 +341,7 @@ def write_load_rows(args, base: dict, loads: list[tuple[str, dict]]) -> None:
                 "transfer_mode": args.mode, "hardware": args.hardware, "model": args.shape,
                 "history_len": args.load_history, "new_tokens": args.new_tokens,
                 "output_len": args.output_len, "qps": args.turn_rate if row["turns"] else 0,
-                "n": row["turns"], "background_streams": args.load_streams,
+                "n": row["turns"], "background_streams": row["streams"],
                 "background_context": args.load_context, "window_s": row["window_s"],
                 "ttft_ms_p50": _pct(row["ttfts"], 0.5), "ttft_ms_p90": _pct(row["ttfts"], 0.9),
                 "background_tpot_ms_p50": _pct(row["tpot"], 0.5),
@@ -375,6 +376,11 @@ def main() -> int:
     ap.add_argument("--load-history", type=int, default=24576)
     ap.add_argument("--turn-rate", type=float, default=2.0, help="turn 2s per second")
     ap.add_argument("--load-window-s", type=float, default=4.0)
+    ap.add_argument("--load-only", action="store_true", help="after the warm-up, only the load runs")
+    ap.add_argument("--pressure-streams", type=int, default=0,
+                    help="one more D-local load run with this many streams: more KV than D "
+                         "holds with the turns' leases, which must yield")
+    ap.add_argument("--kv-gib", type=float, default=30, help="--one-gpu: KV cache per engine")
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.history.split(",")]
     tmp = Path(tempfile.mkdtemp())
@@ -384,10 +390,7 @@ def main() -> int:
     if args.backend == "cpu":  # a local smoke run of this driver
         args.hardware = "cpu"
     if args.backend == "cuda" and args.one_gpu:  # two engines profiling at once confuse
-        common += ("--kv-cache-memory-bytes", str(30 << 30),  # vLLM's budget: fixed sizes
-                   # vLLM still checks free memory >= utilization x total at start: with
-                   # 0.92 the second engine fails once the first holds qwen3-8b's weights
-                   "--gpu-memory-utilization", "0.4")
+        common += shared_device_args(args.kv_gib)  # as `kvferry up --share-device GIB`
         args.hardware = "h200x1"
     elif args.backend == "cuda":
         common += ("--gpu-memory-utilization", "0.85")
@@ -415,24 +418,28 @@ def main() -> int:
                 reset_prefix_cache(d_url)
 
         run_mode(s.router, args, "warmup", True, args.mode, 90_000, evicted)  # other prompts
+        if args.load_only:
+            args.skip_reuse_on = True
         if not args.skip_reuse_on:
             results["kvferry", "reuse_on"] = run_mode(s.router, args, "reuse_on", True,
                                                       args.mode, 1000, evicted)
-        results["kvferry", "reuse_off"] = run_mode(s.router, args, "reuse_off", False,
-                                                   args.mode, 1000, evicted)
-        results["kvferry", "local_hit"] = run_mode(s.router, args, "local_hit", False,
-                                                   args.mode, 1000, warm_only)
+        if not args.load_only:
+            results["kvferry", "reuse_off"] = run_mode(s.router, args, "reuse_off", False,
+                                                       args.mode, 1000, evicted)
+            results["kvferry", "local_hit"] = run_mode(s.router, args, "local_hit", False,
+                                                       args.mode, 1000, warm_only)
         d_local = kvferry_router_settings([s.prefill], [s.decode], prefill_timeout_s=300,
                                           decode_timeout_s=300)  # the default turn policy
         with serve(create_app(d_local, s.secret.encode())) as local_router:
-            results["kvferry", "d_local"] = run_mode(local_router, args, "d_local", True,
-                                                     args.mode, 1000, evicted)
-            # the ceiling: D alone serving both turns, turn 2 from its own prefix cache
-            results["kvferry", "engine_local_hit"] = run_mode(d_url, args, "engine_local_hit",
-                                                              False, args.mode, 1000, warm_only)
-            lines = [ln for ln in s.prefill.log().splitlines() if "reuse READ" in ln]
-            print("prefill", len(lines), "reuse READs; last:", lines[-2:], flush=True)
-            write_turn_rows(args, results)
+            if not args.load_only:
+                results["kvferry", "d_local"] = run_mode(local_router, args, "d_local", True,
+                                                         args.mode, 1000, evicted)
+                # the ceiling: D alone serving both turns, turn 2 from its own prefix cache
+                results["kvferry", "engine_local_hit"] = run_mode(
+                    d_url, args, "engine_local_hit", False, args.mode, 1000, warm_only)
+                lines = [ln for ln in s.prefill.log().splitlines() if "reuse READ" in ln]
+                print("prefill", len(lines), "reuse READs; last:", lines[-2:], flush=True)
+                write_turn_rows(args, results)
             if args.load_streams:
                 reset_prefix_cache(p_url)
                 reset_prefix_cache(d_url)
@@ -440,6 +447,13 @@ def main() -> int:
                 loads = [(mode, load_run(router, router, args, mode, 6000 + 1000 * i, True))
                          for i, (mode, router) in enumerate((("d_local", local_router),
                                                              ("reuse_on", s.router)))]
+                if args.pressure_streams:
+                    loads.append(("d_local_pressure", load_run(
+                        local_router, local_router, args, "d_local_pressure", 9000, True,
+                        args.pressure_streams)))
+                early = [ln for ln in s.decode.log().splitlines() if "released early" in ln]
+                print("decode released", len(early), "lease batches early; last:", early[-2:],
+                      flush=True)
                 write_load_rows(args, base, loads)
         results.clear()
     if not args.skip_vllm:
