@@ -236,7 +236,7 @@ def load_run(turn_router: str, bg_router: str, args, label: str, seed0: int,
     stop, recs = threading.Event(), [dict() for _ in range(streams or args.load_streams)]
     bg = [threading.Thread(target=background_stream, daemon=True, args=(
         bg_router, model, [rnd.randrange(100, vocab - 100) for _ in range(args.load_context)],
-        args.max_model_len - args.load_context - 1, stop, rec)) for rec in recs]
+        args.load_bg_tokens, stop, rec)) for rec in recs]
     for t in bg:
         t.start()
     deadline = time.monotonic() + 300
@@ -295,6 +295,25 @@ def _pct(xs: list[float], q: float) -> float | None:
 def _median(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return round(statistics.median(xs), 3) if xs else None
+
+
+def check_load_fits(args) -> None:
+    """Refuse a load run whose KV does not fit D: background streams at full length plus
+    the turns' leased histories and their new tokens. (Measured, commit 4042ad1, one H200,
+    40 GiB: 16 streams decoding without bound plus 8 leased 24k histories ran D out of
+    blocks; the turns then waited 25-34 s for memory, whatever the policy.)"""
+    sh = SHAPES[args.shape]
+    block_bytes = 16 * sh.num_hidden_layers * sh.num_key_value_heads * sh.head_dim * 2 * 2
+    blocks = int(args.kv_gib * (1 << 30)) // block_bytes
+    bg = args.load_streams * -(-(args.load_context + args.load_bg_tokens) // 16)
+    turns = int(args.turn_rate * args.load_window_s)
+    hist = -(-(args.load_history + args.output_len + args.new_tokens + args.output_len) // 16)
+    need = bg + turns * hist
+    print(f"load run KV: {bg} background + {turns} x {hist} turn blocks = {need} of {blocks}",
+          flush=True)
+    if need > 0.95 * blocks:
+        raise SystemExit(f"the load run needs {need} KV blocks, D has {blocks}: raise --kv-gib "
+                         "or lower --turn-rate x --load-window-s / --load-streams")
 
 
 def _command() -> str:
@@ -375,12 +394,15 @@ def main() -> int:
     ap.add_argument("--load-context", type=int, default=8192)
     ap.add_argument("--load-history", type=int, default=24576)
     ap.add_argument("--turn-rate", type=float, default=2.0, help="turn 2s per second")
-    ap.add_argument("--load-window-s", type=float, default=4.0)
+    ap.add_argument("--load-window-s", type=float, default=2.5)
     ap.add_argument("--load-only", action="store_true", help="after the warm-up, only the load runs")
     ap.add_argument("--pressure-streams", type=int, default=0,
                     help="one more D-local load run with this many streams: more KV than D "
                          "holds with the turns' leases, which must yield")
     ap.add_argument("--kv-gib", type=float, default=30, help="--one-gpu: KV cache per engine")
+    ap.add_argument("--load-bg-tokens", type=int, default=1500,
+                    help="output tokens of each background stream (bounds its KV: it must "
+                         "outlast the streams' staggered start and the window)")
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.history.split(",")]
     tmp = Path(tempfile.mkdtemp())
@@ -396,6 +418,8 @@ def main() -> int:
         common += ("--gpu-memory-utilization", "0.85")
     if args.eager:
         common += ("--enforce-eager",)
+    if args.load_streams and args.backend == "cuda" and args.one_gpu:
+        check_load_fits(args)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     results: dict[tuple[str, str], dict[int, list[list[dict]]]] = {}
     t0 = time.monotonic()
