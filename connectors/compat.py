@@ -173,21 +173,23 @@ class KvPressure:
 
 
 def kv_pressure(scheduler: Any, block_size: int) -> KvPressure | None:
-    """The Scheduler's free KV blocks and what its first waiting request needs (its next
-    chunk: at most ``max_num_scheduled_tokens``, plus one lookahead token); None if this
-    Scheduler has not built its KV cache manager yet."""
+    """The Scheduler's free KV blocks and what its first waiting request needs: blocks
+    for all its tokens plus one. Not just its next chunk: a request whose KV comes from
+    P (pull or push) allocates the whole prompt at once, and a local one needs the rest
+    within a few steps (measured: with a chunk-sized estimate, a pulled 3000-token
+    request on a 40-block D stayed waiting once one lease had yielded, since the
+    estimate of 16 blocks was then met by the free ones). None if this Scheduler has not
+    built its KV cache manager yet."""
     try:
         pool = scheduler.kv_cache_manager.block_pool
         free, total = int(pool.get_num_free_blocks()), int(pool.num_gpu_blocks)
         waiting = scheduler.waiting
         head = waiting.peek_request() if len(waiting) else None
-        chunk = int(getattr(scheduler, "max_num_scheduled_tokens", 1 << 30))
     except AttributeError:
         return None
     need = 0  # a head waiting on something else (remote KV, a grammar) holds its blocks
     if head is not None and head.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-        tokens = min(int(head.num_tokens) + 1, int(head.num_computed_tokens) + chunk)
-        need = -(-tokens // block_size)
+        need = -(-(int(head.num_tokens) + 1) // block_size)
     return KvPressure(free, total, need)
 
 

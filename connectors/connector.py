@@ -123,7 +123,8 @@ class KvferryConnector(KVConnectorBase_V1):
         keeper = LeaseKeeper(self.engine_id, self.instance, cfg.side_channel_host,
                              cfg.side_channel_port, self.block_size, tp,
                              ttl=cfg.decoder_kv_blocks_ttl, max_lifetime=cfg.lease_max_lifetime_s,
-                             max_blocks=max_blocks or None, free_grace=cfg.lease_free_grace_s)
+                             max_blocks=max_blocks or None, free_grace=cfg.lease_free_grace_s,
+                             control_port=cfg.control_port(tp))
         try:
             self._control = ControlServer(keeper, cfg.side_channel_host, cfg.control_port(tp))
         except Exception as e:  # leases still end by TTL; the router cannot renew/release

@@ -172,6 +172,19 @@ def test_round_trips_through_control_server(served):
     asyncio.run(go())
 
 
+def test_p_asks_whether_a_lease_still_holds_before_reading(served):
+    """P's check before a reuse READ (`lease_holds`): D may have released the lease early
+    (memory pressure) while the router still holds its offer."""
+    k, port = served
+    assert lc.lease_holds("127.0.0.1", port, "L1", 2.0) is None
+    assert k.relieve(1, 100, 0, 0.05) == ["L1"]  # pressure: 1 + L1's 4 blocks cover 5
+    assert lc.lease_holds("127.0.0.1", port, "L1", 2.0) == "released"
+    assert lc.lease_holds("127.0.0.1", port, "L2", 2.0) is None
+    assert lc.lease_holds("127.0.0.1", port, "nope", 2.0) == "unknown"
+    why = lc.lease_holds("127.0.0.1", free_port(), "L2", 0.2)  # nobody listens
+    assert why is not None and why.startswith("lease control unreachable")
+
+
 def test_server_survives_garbage(served):
     """A malformed request (no key needed to send one) must not kill the serving thread."""
     k, port = served

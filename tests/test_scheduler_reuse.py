@@ -89,7 +89,8 @@ def test_p_after_alloc_emits_reuse_read(clock):
     p.after_alloc("p1", P_BLOCKS, 12)
     meta = p.take_meta()
     assert meta.reuse == [ReuseRead("p1", [12, 13, 14], [52, 53, 54], "D0", "boot-1", "10.0.0.2",
-                                    5800, T0 + 0.25 + READ_TIMEOUT)]
+                                    5800, T0 + 0.25 + READ_TIMEOUT, 1, "L1", 5801)]  # D's
+    # lease and control port (side channel + TP size by default): P checks before reading
     assert meta.recv == [] and meta.send == [] and meta.free == []
     assert p.take_meta() == StepMeta()
     p.after_alloc("p1", P_BLOCKS, 12)  # consumed once

@@ -183,6 +183,7 @@ class LeaseOffer(Signed):
     block_hashes: list[str]
     expiry: float
     tp_size: int = 1
+    control_port: int = 0  # D's lease control channel (0: config.default_control_port)
 
     def problem(self) -> str | None:
         if any(b < 0 for b in self.block_ids) or self.block_size <= 0 or self.num_tokens < 0:

@@ -11,7 +11,10 @@ Safety against freeing blocks under a running READ is time-based, because READs 
 one-sided and D never sees them: P starts a READ only if the lease outlives it by a
 margin and abandons it after ``read_timeout`` (< margin); D frees a released or evicted
 lease only ``free_grace`` seconds later (> P's read timeout), and an expired one at
-``expiry + free_grace`` (clock skew between hosts).
+``expiry + free_grace`` (clock skew between hosts). D may end a lease early (memory
+pressure, `relieve`; the lease cap) while the router still holds its offer, so P asks
+D that the lease still holds just before each READ (`transfer.lease_control.lease_holds`):
+a "held" answer at t means no free before t + free_grace, after P's READ has ended.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ class LeaseKeeper:
     def __init__(self, engine_id: str, instance: str, host: str, port: int, block_size: int,
                  tp_size: int = 1, *, ttl: float = DEFAULT_TTL, max_lifetime: float = DEFAULT_MAX_LIFETIME,
                  max_blocks: int | None = None, free_grace: float = DEFAULT_FREE_GRACE,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, control_port: int = 0) -> None:
         self.engine_id, self.instance = engine_id, instance
-        self.host, self.port = host, port
+        self.host, self.port, self.control_port = host, port, control_port
         self.block_size, self.tp_size = block_size, tp_size
         self.free_grace = free_grace
         self.clock = clock
@@ -84,7 +87,7 @@ class LeaseKeeper:
             self._schedule(evicted, now)
             offer = LeaseOffer(self.engine_id, self.instance, self.host, self.port, lease_id,
                                list(block_ids[:full]), self.block_size, len(tokens), hashes,
-                               expiry, self.tp_size)
+                               expiry, self.tp_size, self.control_port)
             self._offers[lease_id] = offer
         log.info("lease %s: %d blocks (%d tokens) of request %s until +%.0fs", lease_id, full,
                  len(tokens), req_id, expiry - now)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvferry.connectors.config import default_control_port
 from kvferry.connectors.protocol.params import (
     InvalidParams,
     KvParams,
@@ -89,7 +90,8 @@ class ReusePlanner:
         meta.reuse.append(ReuseRead(
             req_id, local, list(dec.remote_block_ids), offer.engine_id, offer.instance,
             offer.host, offer.port, self.clock() + self.settings.read_timeout_s,
-            offer.tp_size))
+            offer.tp_size, offer.lease_id,
+            offer.control_port or default_control_port(offer.port, offer.tp_size)))
         self._reading[req_id] = (dec.tokens_to_read, set(local))
         return True
 

@@ -15,7 +15,7 @@ import msgspec
 from kvferry.connectors.protocol import lease_control as wire
 from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.transfer import faults
-from kvferry.connectors.transfer.handshake import ReplyServer
+from kvferry.connectors.transfer.handshake import HandshakeError, ReplyServer, _request
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -40,6 +40,20 @@ def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None
     except Exception as e:  # a bug must not kill the channel
         log.exception("lease control %s %s", op, lease_id)
         return {"ok": False, "error": f"internal: {e}"}
+
+
+def lease_holds(host: str, port: int, lease_id: str, timeout_s: float) -> str | None:
+    """P, just before READing a lease's blocks: None if D still holds the lease, else why
+    not. Sound with D's grace: D answered "held" at t, so it frees those blocks no sooner
+    than t + lease_free_grace_s, after P's READ ends (reuse_read_timeout_s is shorter)."""
+    try:
+        reply = msgspec.msgpack.decode(_request(host, port, wire.request("info", lease_id),
+                                                timeout_s, "lease info"))
+    except (HandshakeError, msgspec.DecodeError) as e:
+        return f"lease control unreachable: {e}"
+    if isinstance(reply, dict) and reply.get("ok") is True:
+        return None
+    return str(reply.get("error") if isinstance(reply, dict) else "bad reply")
 
 
 class ControlServer(ReplyServer):

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 
 from kvferry.connectors.protocol import messages
 from kvferry.connectors.protocol.step import RecvTask, ReuseRead
+from kvferry.connectors.transfer.lease_control import lease_holds
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
 from kvferry.connectors.transfer.transport import Peer, Transfer, XferState
+
+LEASE_CHECK_TIMEOUT_S = 0.5  # D's lease control answers in ~1 ms; silent: recompute
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -106,6 +109,10 @@ class Reads(RankPart):
             budget = rr.deadline - time.time()
             if budget <= 0:
                 raise TimeoutError("lease read deadline already passed")
+            if rr.lease_id and (why := lease_holds(rr.host, rr.control_port, rr.lease_id,
+                                                   min(budget, LEASE_CHECK_TIMEOUT_S))):
+                raise ValueError(f"lease ended on D: {why}")
+            budget = rr.deadline - time.time()
             for r, segs in pieces:
                 xfers.append(self.transport.start("READ", peers[r], rr.local_block_ids,
                                                   rr.remote_block_ids,
