@@ -15,6 +15,7 @@ so leases on must never be worse than off, and better where the cache holds.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -53,10 +54,12 @@ def main() -> int:
     ap.add_argument("--turn-growth", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--results-dir", default="benchmarks/results")
+    ap.add_argument("--extra", default="{}", help="connector extra config (JSON) of both engines")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / "tiny", "tiny", weights=True))
-    with pd_stack(model, tmp / "logs", prefill_args=("--no-enable-prefix-caching",),
+    with pd_stack(model, tmp / "logs", extra=json.loads(args.extra),
+                  prefill_args=("--no-enable-prefix-caching",),
                   decode_args=("--num-gpu-blocks-override", str(args.d_blocks))) as s:
         off = RouterSettings(prefill_urls=[s.prefill.url], decode_urls=[s.decode.url],
                              prefill_kv_addrs=[f"127.0.0.1:{s.prefill.side_port}"])
