@@ -78,16 +78,18 @@ class ConnectorConfig(BaseModel):
     lease_max_fraction: float = Field(0.5, gt=0, le=1)
     # D releases least recently used leases while its free KV blocks (free or merely
     # cached) fall below this fraction of the cache, or below what its first waiting
-    # request needs: a released lease's blocks come free lease_free_grace_s later, so the
-    # reserve must cover that long of growth (16 streams decoding at ~10 ms a step grow
-    # ~300 blocks in 3 s, 2% of a 13.6k-block H200 cache at 30 GiB of qwen3-8b KV).
+    # request needs. A released lease's blocks come free at once, or lease_free_grace_s
+    # after P last asked that it held (a READ may be running), so the reserve covers up to
+    # that long of growth (16 streams decoding at ~10 ms a step grow ~300 blocks in 3 s,
+    # 2% of a 13.6k-block H200 cache at 30 GiB of qwen3-8b KV).
     lease_free_watermark: float = Field(0.02, ge=0, lt=1)
     # Lease control channel (router -> D); default: default_control_port, the port after
     # the TP ranks' side-channel ports (side_channel_port + TP size).
     lease_control_port: int | None = Field(None, ge=1, le=65535)
     # P: read D's history only if at least this many tokens would be reused, only from a
     # lease that outlives now + lease_margin_s, and give up a READ after
-    # reuse_read_timeout_s; D frees an ended lease's blocks lease_free_grace_s later.
+    # reuse_read_timeout_s; D frees an ended lease's blocks no sooner than
+    # lease_free_grace_s after its last "held" answer to a P about to READ.
     kv_recompute_threshold: int = Field(reuse.DEFAULT_RECOMPUTE_THRESHOLD, ge=1)
     lease_margin_s: float = Field(reuse.DEFAULT_LEASE_MARGIN, gt=0)
     reuse_read_timeout_s: float = Field(reuse.DEFAULT_READ_TIMEOUT, gt=0)

@@ -90,3 +90,9 @@ def test_leases_yield_to_a_request_that_needs_their_blocks(stack):
             assert p1["reuse_reads_done"] == p0["reuse_reads_done"]
     for cid in firsts:
         httpx.delete(f"{stack.router}/v1/kvferry/conversations/{cid}", timeout=10)
+    # Nothing leaked: with the conversations gone, every one of D's blocks comes free
+    # (at once, or a grace after P's last check of a lease: 1 s here).
+    deadline = time.monotonic() + 10
+    while (used := stack.decode.kv_usage()) > 0:
+        assert time.monotonic() < deadline, f"D's KV cache still {used:.1%} used"
+        time.sleep(0.2)

@@ -214,10 +214,18 @@ def test_engine_added_through_the_engines_file_gets_work(fleet: Fleet) -> None:
                           change="added") == 1
 
 
+# D must still be decoding when the client, 6 tokens in, kills it. The kill lands as late
+# as the client is behind D: with 160 tokens (~1 s of D's decoding) a CI run on 2 busy
+# cores once saw D finish first, and the stream then needed no migration. 1200 tokens
+# give D ~8 s, far past how far the client lags; `finished` below names that case.
+KILLED_STREAM_TOKENS = 1200
+
+
 def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> None:
     toks = prompt(260, 50)
-    body = {"model": fleet.model, "prompt": toks, "max_tokens": 160, "temperature": 0,
-            "stream": True, "return_token_ids": True}
+    n = KILLED_STREAM_TOKENS
+    body = {"model": fleet.model, "prompt": toks, "max_tokens": n, "temperature": 0,
+            "stream": True, "return_token_ids": True, "ignore_eos": True}
 
     def run(kill_after: int | None) -> tuple[list[int], str, bytes]:
         ids: list[int] = []
@@ -239,14 +247,19 @@ def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> Non
         return ids, served, raw
 
     whole, _, _ = run(None)  # uninterrupted, through the same router
-    colocated = complete(fleet.p.url, fleet.model, toks, max_tokens=160)["choices"][0]
-    assert whole == colocated["token_ids"]
-    before = fleet.b.metric("kvferry_router_migrations_total", result="ok")
+    colocated = complete(fleet.p.url, fleet.model, toks, max_tokens=n,
+                         ignore_eos=True)["choices"][0]
+    assert len(whole) == n and whole == colocated["token_ids"]
+    migrations = {r: fleet.b.metric("kvferry_router_migrations_total", result=r)
+                  for r in ("ok", "finished")}
     got, killed, raw = run(kill_after=6)
     assert b'"error"' not in raw and raw.rstrip().endswith(b"data: [DONE]")
     assert_no_engine_fields(raw.decode())
     assert got == whole  # one stream, token for token
-    assert fleet.b.metric("kvferry_router_migrations_total", result="ok") == before + 1
+    assert fleet.b.metric("kvferry_router_migrations_total", result="finished") == \
+        migrations["finished"], "D had sent its last token before the kill landed"
+    assert fleet.b.metric("kvferry_router_migrations_total", result="ok") == \
+        migrations["ok"] + 1
     assert fleet.b.metric("kvferry_router_migrated_tokens_total") >= 6
     wait_for(lambda: not next(e for e in (fleet.d0, fleet.d1)
                               if e.url == killed).child.group_alive(), 10, "D dead")

@@ -185,6 +185,29 @@ def test_p_asks_whether_a_lease_still_holds_before_reading(served):
     assert why is not None and why.startswith("lease control unreachable")
 
 
+def test_lease_check_never_blocks_the_thread_that_polls_it():
+    """P's transfer thread polls `LeaseCheck` between other transfers: before D answers,
+    a poll returns at once with no answer; D's answer arrives on a later poll."""
+    k = make_keeper()
+    port = free_port()
+    slow = lc.ControlServer(k, "127.0.0.1", port)
+    answer = slow._reply
+    slow._reply = lambda blob: (time.sleep(0.4), answer(blob))[1]  # D's control thread, busy
+    try:
+        check = lc.LeaseCheck("127.0.0.1", port, "L1")
+        t0 = time.monotonic()
+        assert check.poll() == (False, None)
+        assert time.monotonic() - t0 < 0.05
+        assert check.poll(5.0) == (True, None)  # held
+        assert check.poll() == (True, None)  # the answer stays
+        k.release("L2")
+        check = lc.LeaseCheck("127.0.0.1", port, "L2")
+        assert check.poll(5.0) == (True, "released")
+    finally:
+        slow.close()
+    assert lc.LeaseCheck("127.0.0.1", free_port(), "L1").poll(0.2) == (False, None)
+
+
 def test_server_survives_garbage(served):
     """A malformed request (no key needed to send one) must not kill the serving thread."""
     k, port = served

@@ -189,34 +189,61 @@ def test_info_on_unknown_expired_released():
 
 
 # -- frees ---------------------------------------------------------------------------------------
-def test_release_frees_only_after_grace():
+def test_release_frees_at_once_when_no_read_was_allowed():
     c = Clock()
     k = keeper(c)
     grant(k, req="r1")
     c.t += 10
-    k.release("L1")
-    assert k.num_blocks == 0  # no longer leased, but the blocks wait out the grace
-    c.t += GRACE - 0.01
-    assert k.due_frees() == []
-    c.t += 0.01
+    k.release("L1")  # P never asked "held?": no READ can be running
+    assert k.num_blocks == 0
     assert k.due_frees() == ["r1"]
     c.t += 10
     assert k.due_frees() == []  # reported once
     assert reason(lambda: k.release("L1")) == "released"
 
 
-def test_expiry_frees_at_expiry_plus_grace():
+def test_release_frees_a_grace_after_the_last_held_answer():
     c = Clock()
     k = keeper(c)
     grant(k, req="r1")
+    c.t += 10
+    held = c.t
+    assert parse_lease(k.info("L1")).lease_id == "L1"  # P may READ until held + its timeout
+    c.t += 1
+    k.release("L1")
+    assert k.num_blocks == 0  # no longer leased, but the blocks wait out that READ
+    c.t = held + GRACE - 0.01
+    assert k.due_frees() == []
+    c.t = held + GRACE
+    assert k.due_frees() == ["r1"]
+    c.t += 10
+    assert k.due_frees() == []  # reported once
+
+
+def test_release_long_after_the_held_answer_frees_at_once():
+    c = Clock()
+    k = keeper(c)
+    grant(k, req="r1")
+    k.info("L1")
+    c.t += GRACE + 5  # that READ has long ended
+    k.release("L1")
+    assert k.due_frees() == ["r1"]
+
+
+def test_expiry_frees_at_the_sweep_or_a_grace_after_the_last_held_answer():
+    c = Clock()
+    k = keeper(c)
+    grant(k, req="r1")
+    grant(k, "L2", req="r2")
     c.t = T0 + TTL - 1
     assert k.due_frees() == [] and k.table.get("L1") is not None
-    c.t = T0 + TTL  # the sweep at expiry frees the lease; its blocks wait out the grace
-    assert k.due_frees() == [] and k.table.get("L1") is None
-    c.t = T0 + TTL + GRACE - 0.01
+    k.info("L2")  # a READ of L2 may run until T0 + TTL - 1 + its timeout
+    c.t = T0 + TTL  # the sweep at expiry ends both leases
+    assert k.due_frees() == ["r1"] and k.table.get("L2") is None
+    c.t = T0 + TTL - 1 + GRACE - 0.01
     assert k.due_frees() == []
-    c.t = T0 + TTL + GRACE
-    assert k.due_frees() == ["r1"]
+    c.t = T0 + TTL - 1 + GRACE
+    assert k.due_frees() == ["r2"]
 
 
 def test_sweep_runs_at_most_every_tick():
@@ -244,10 +271,15 @@ def test_max_blocks_evicts_least_recently_used_with_grace():
     assert k.num_blocks == 4 and k.table.get("b") is None
     assert reason(lambda: k.info("b")) == "released"
     assert parse_lease(k.info("a")).lease_id == "a"
-    c.t += GRACE - 0.01
-    assert k.due_frees() == []
-    c.t += 0.01
-    assert k.due_frees() == ["rb"]
+    assert k.due_frees() == ["rb"]  # nobody was told b held: freed at once
+    held = c.t
+    k.info("a")
+    grant(k, "d", req="rd")  # the cap again: a is now the least recently used
+    assert k.table.get("a") is None
+    c.t = held + GRACE - 0.01
+    assert k.due_frees() == []  # P may still be reading a
+    c.t = held + GRACE
+    assert k.due_frees() == ["ra"]
 
 
 def test_lease_larger_than_max_blocks_is_refused():

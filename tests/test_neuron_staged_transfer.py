@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 from fakes.nrt_runtime import FakeRuntime, build
 from helpers_http import free_port
+from helpers_lease import LEASE_ID, held_lease
 
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import CpuBackend
@@ -195,10 +196,11 @@ def test_reuse_read_lands_on_the_device(engines):
     staged by hand) and must have it on its device before reporting it received."""
     p, d = engines("P", seed=5, vnc=0), engines("D", seed=40, vnc=3)
     d.worker.save([2, 4])
-    rr = ReuseRead("p-req", [6, 0], [2, 4], d.engine_id, d.worker.instance, "127.0.0.1", d.port,
-                   time.time() + 10)
-    p.worker.submit(StepMeta(reuse=[rr]))
-    got = p.collect(lambda r: "p-req" in r.recvd)
+    with held_lease([2, 4]) as (_, control_port):
+        rr = ReuseRead("p-req", [6, 0], [2, 4], d.engine_id, d.worker.instance, "127.0.0.1",
+                       d.port, time.time() + 10, lease_id=LEASE_ID, control_port=control_port)
+        p.worker.submit(StepMeta(reuse=[rr]))
+        got = p.collect(lambda r: "p-req" in r.recvd)
     assert got.recvd == {"p-req"} and got.bad_blocks == set()
     assert_moved(d, p, [2, 4], [6, 0])
 

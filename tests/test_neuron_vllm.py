@@ -24,6 +24,7 @@ from fakes.vllm_neuron import (
     Model,
 )
 from helpers_http import free_port
+from helpers_lease import LEASE_ID, held_lease
 
 from kvferry.connectors.memory.backends import DRAM
 from kvferry.connectors.protocol.params import SECRET_ENV
@@ -153,10 +154,12 @@ def reuse(p: Engine, d: Engine) -> None:
     """P READs D's (leased) history blocks [2, 4] into its blocks [6, 0]."""
     if d.backend.mode == "host":  # a host-staged D grants no leases; stage by hand
         d.worker.connector._worker.save([2, 4])
-    rr = ReuseRead("p-reuse", [6, 0], [2, 4], d.engine_id, d.worker.connector.instance,
-                   "127.0.0.1", d.port, time.time() + 10)
-    p.step(StepMeta(reuse=[rr]))
-    p.wait("recvd", "p-reuse")
+    with held_lease([2, 4]) as (_, control_port):
+        rr = ReuseRead("p-reuse", [6, 0], [2, 4], d.engine_id, d.worker.connector.instance,
+                       "127.0.0.1", d.port, time.time() + 10, lease_id=LEASE_ID,
+                       control_port=control_port)
+        p.step(StepMeta(reuse=[rr]))
+        p.wait("recvd", "p-reuse")
 
 
 def no_bad_blocks(*engines: Engine) -> None:

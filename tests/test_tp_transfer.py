@@ -19,6 +19,7 @@ import uuid
 import pytest
 import torch
 from helpers_http import free_port
+from helpers_lease import LEASE_ID, held_lease
 
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import CpuBackend
@@ -159,10 +160,12 @@ def test_reuse_read_takes_each_p_rank_heads_from_the_d_ranks_holding_them(
     g = torch.randn(N, heads, BS, 2 * HD, generator=torch.Generator().manual_seed(7))
     d = engines("D", d_tp, heads, "nhd", g)
     p = engines("P", p_tp, heads, "nhd", None)
-    rr = ReuseRead("r", D_BLOCKS, P_BLOCKS, d.engine_id, "", "127.0.0.1", d.port,
-                   time.time() + 10, tp_size=d_tp)
-    p.submit(StepMeta(reuse=[rr]))
-    got = p.wait("r", "recvd")
+    with held_lease(P_BLOCKS) as (_, control_port):
+        rr = ReuseRead("r", D_BLOCKS, P_BLOCKS, d.engine_id, "", "127.0.0.1", d.port,
+                       time.time() + 10, tp_size=d_tp, lease_id=LEASE_ID,
+                       control_port=control_port)
+        p.submit(StepMeta(reuse=[rr]))
+        got = p.wait("r", "recvd")
     assert all(a.recvd == {"r"} and not a.bad_blocks for a in got), got
     assert_received(p, g, "nhd")
 

@@ -64,7 +64,7 @@ class ReuseRead:
     deadline: float  # wall clock: abandon (and recompute) after this
     tp_size: int = 1  # D's: another size than P's means reading head segments per D rank
     # D's lease and control channel: P asks D that the lease still holds just before the
-    # READ (D may have released it early, under memory pressure); "" skips the check
+    # READ (D may have released it early, under memory pressure); without one, no READ
     lease_id: str = ""
     control_port: int = 0
 

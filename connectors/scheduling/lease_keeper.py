@@ -8,13 +8,14 @@ response's ``kv_transfer_params``. Renew/release/info arrive from the router ove
 lease-control side channel (another thread, hence the lock).
 
 Safety against freeing blocks under a running READ is time-based, because READs are
-one-sided and D never sees them: P starts a READ only if the lease outlives it by a
-margin and abandons it after ``read_timeout`` (< margin); D frees a released or evicted
-lease only ``free_grace`` seconds later (> P's read timeout), and an expired one at
-``expiry + free_grace`` (clock skew between hosts). D may end a lease early (memory
-pressure, `relieve`; the lease cap) while the router still holds its offer, so P asks
-D that the lease still holds just before each READ (`transfer.lease_control.lease_holds`):
-a "held" answer at t means no free before t + free_grace, after P's READ has ended.
+one-sided and D never sees them. D may end a lease at any time (expiry, release, memory
+pressure in `relieve`, the lease cap) while the router still holds its offer, so P asks
+D that the lease still holds just before each READ (`transfer.lease_control.lease_holds`)
+and abandons the READ after ``read_timeout`` (< ``free_grace``). A "held" answer at t (D's
+clock) therefore means: no free before t + free_grace, when that READ has ended. A lease
+that ends with no "held" answer in the last ``free_grace`` seconds has no READ in flight
+and its blocks are freed at once: under memory pressure that is the difference between a
+waiting request starting now and ``free_grace`` later.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class LeaseKeeper:
         self.table = LeaseTable(ttl, max_lifetime=max_lifetime, max_blocks=max_blocks)
         self._offers: dict[str, LeaseOffer] = {}
         self._frees: list[tuple[float, str, int]] = []  # (free at, req id, blocks)
+        self._held_at: dict[str, float] = {}  # lease id -> D's last "held" answer to P
         self.released_for_pressure = 0  # leases ended early because D needed the memory
         self._last_tick = float("-inf")
         self._lock = threading.Lock()
@@ -107,18 +109,13 @@ class LeaseKeeper:
             return due
 
     def evict_for_pressure(self) -> bool:
-        """Memory is short: release the least recently used lease (one per call, none while
-        an earlier free is still in its grace). True if a free is on its way."""
-        now = self.clock()
+        """vLLM could not allocate (`has_pending_block_frees`): release the least recently
+        used lease, unless an earlier free is still on its way. True if a free is coming."""
         with self._lock:
             if self._frees:
                 return True
-            victim = self.table.least_recent()
-            if victim is None:
-                return False
-            log.info("lease %s: released early, decode needs its blocks", victim)
-            self._schedule(self.table.release(victim, now), now)
-            return True
+            # nothing is on its way (coming == 0) until the least recent lease is released
+            return bool(self._release_lru(lambda coming: coming == 0, self.clock()))
 
     def relieve(self, free: int, total: int, head_need: int, watermark: float) -> list[str]:
         """Memory is getting short: release least recently used leases until the free
@@ -128,16 +125,8 @@ class LeaseKeeper:
         want = max(math.ceil(watermark * total), head_need)
         if free >= want:
             return []
-        now = self.clock()
-        released: list[str] = []
         with self._lock:
-            coming = sum(n for _, _, n in self._frees)
-            while free + coming < want and (victim := self.table.least_recent()) is not None:
-                freed = self.table.release(victim, now)
-                coming += sum(len(f.block_ids) for f in freed)
-                self._schedule(freed, now)
-                released.append(victim)
-            self.released_for_pressure += len(released)
+            released = self._release_lru(lambda coming: free + coming < want, self.clock())
         if released:
             log.info("leases %s: released early, %d of %d KV blocks free and %d wanted",
                      released, free, total, want)
@@ -171,12 +160,28 @@ class LeaseKeeper:
                 raise LeaseError(lease_id, Refusal.UNKNOWN)
             if now >= lease.expiry:
                 raise LeaseError(lease_id, Refusal.EXPIRED)
+            self._held_at[lease_id] = now  # a READ may run until now + read_timeout
             return sign(self._offers[lease_id])
 
     # -- internals -----------------------------------------------------------------------
+    def _release_lru(self, short: Callable[[int], bool], now: float) -> list[str]:
+        """Release least recently used leases while ``short(blocks on their way)``; under
+        the lock. Counted in `released_for_pressure`."""
+        coming = sum(n for _, _, n in self._frees)
+        released: list[str] = []
+        while short(coming) and (victim := self.table.least_recent()) is not None:
+            freed = self.table.release(victim, now)
+            coming += sum(len(f.block_ids) for f in freed)
+            self._schedule(freed, now)
+            released.append(victim)
+        self.released_for_pressure += len(released)
+        return released
+
     def _schedule(self, freed: list[FreeBlocks], now: float) -> None:
         for f in freed:
             self._offers.pop(f.lease_id, None)
-            self._frees.append((now + self.free_grace, f.req_id, len(f.block_ids)))
+            held = self._held_at.pop(f.lease_id, None)
+            at = now if held is None else max(now, held + self.free_grace)
+            self._frees.append((at, f.req_id, len(f.block_ids)))
             log.info("lease %s (request %s) ended: %s; %d blocks free in %.1fs", f.lease_id,
-                     f.req_id, f.reason, len(f.block_ids), self.free_grace)
+                     f.req_id, f.reason, len(f.block_ids), at - now)

@@ -84,24 +84,49 @@ class HandshakeServer(ReplyServer):
         return blob
 
 
-def _request(host: str, port: int, req: bytes, timeout_s: float, what: str) -> bytes:
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+class PendingReply:
+    """One request sent to a `ReplyServer`, its reply collected later without blocking:
+    a thread with other work (P's transfer thread) polls it between its other duties."""
+
+    def __init__(self, host: str, port: int, req: bytes, what: str) -> None:
+        self.where, self.what = f"{host}:{port}", what
+        self._sock = zmq.Context.instance().socket(zmq.REQ)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.connect(f"tcp://{self.where}")
+            self._sock.send(req, zmq.NOBLOCK)  # queued until connected (no ZMQ_IMMEDIATE)
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise HandshakeError(f"cannot ask {self.where} for {what}: {e}") from e
+
+    def poll(self, timeout_s: float = 0.0) -> bytes | None:
+        """The reply if it came within ``timeout_s``, else None (ask again later)."""
+        try:
+            if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+                return None
+            return self._sock.recv(zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise HandshakeError(f"no {self.what} from {self.where}: {e}") from e
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def request(host: str, port: int, req: bytes, timeout_s: float, what: str) -> bytes:
+    """One blocking round trip; HandshakeError after ``timeout_s``."""
+    pending = PendingReply(host, port, req, what)
     try:
-        sock.connect(f"tcp://{host}:{port}")
-        sock.send(req)
-        return sock.recv()
-    except zmq.ZMQError as e:
-        raise HandshakeError(f"no {what} from {host}:{port} within {timeout_s}s: {e}") from e
+        reply = pending.poll(timeout_s)
     finally:
-        sock.close()
+        pending.close()
+    if reply is None:
+        raise HandshakeError(f"no {what} from {host}:{port} within {timeout_s}s")
+    return reply
 
 
 def fetch(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:
     """The peer's payload, or HandshakeError after ``timeout_s``."""
-    blob = _request(host, port, b"hello", timeout_s, "handshake")
+    blob = request(host, port, b"hello", timeout_s, "handshake")
     try:
         return msgspec.msgpack.decode(blob)
     except msgspec.DecodeError as e:
@@ -111,7 +136,7 @@ def fetch(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:
 def fetch_stats(host: str, port: int, timeout_s: float = 5.0) -> Snapshot:
     """The transfer counters of the rank serving host:port, or HandshakeError after
     ``timeout_s`` (or if what answers is no kvferry stats snapshot)."""
-    blob = _request(host, port, STATS, timeout_s, "stats")
+    blob = request(host, port, STATS, timeout_s, "stats")
     try:
         return decode_stats(blob)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:

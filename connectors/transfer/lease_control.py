@@ -15,7 +15,7 @@ import msgspec
 from kvferry.connectors.protocol import lease_control as wire
 from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.transfer import faults
-from kvferry.connectors.transfer.handshake import HandshakeError, ReplyServer, _request
+from kvferry.connectors.transfer.handshake import HandshakeError, PendingReply, ReplyServer
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -42,18 +42,55 @@ def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None
         return {"ok": False, "error": f"internal: {e}"}
 
 
+class LeaseCheck:
+    """P, just before READing a lease's blocks: asks D whether the lease still holds,
+    without blocking P's transfer thread (`poll` it). Sound with D's grace: D answered
+    "held" at t, so it frees those blocks no sooner than t + lease_free_grace_s, after
+    P's READ ends (reuse_read_timeout_s is shorter)."""
+
+    def __init__(self, host: str, port: int, lease_id: str) -> None:
+        self._pending: PendingReply | None = None
+        self._early: str | None = None
+        try:
+            self._pending = PendingReply(host, port, wire.request("info", lease_id),
+                                         "lease info")
+        except HandshakeError as e:
+            self._early = f"lease control unreachable: {e}"
+
+    def poll(self, timeout_s: float = 0.0) -> tuple[bool, str | None]:
+        """(answered, why not held): (False, None) while D has not answered; (True, None)
+        when the lease holds; (True, reason) when it does not or D's reply was bad."""
+        if self._pending is None:
+            return True, self._early
+        try:
+            blob = self._pending.poll(timeout_s)
+            if blob is None:
+                return False, None
+            reply = msgspec.msgpack.decode(blob)
+        except (HandshakeError, msgspec.DecodeError) as e:
+            self.close()
+            self._early = f"lease control unreachable: {e}"
+            return True, self._early
+        self.close()
+        self._early = "bad reply"
+        if isinstance(reply, dict):
+            self._early = None if reply.get("ok") is True else str(reply.get("error"))
+        return True, self._early
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
+
+
 def lease_holds(host: str, port: int, lease_id: str, timeout_s: float) -> str | None:
-    """P, just before READing a lease's blocks: None if D still holds the lease, else why
-    not. Sound with D's grace: D answered "held" at t, so it frees those blocks no sooner
-    than t + lease_free_grace_s, after P's READ ends (reuse_read_timeout_s is shorter)."""
+    """`LeaseCheck`, waited for: None if D still holds the lease, else why not."""
+    check = LeaseCheck(host, port, lease_id)
     try:
-        reply = msgspec.msgpack.decode(_request(host, port, wire.request("info", lease_id),
-                                                timeout_s, "lease info"))
-    except (HandshakeError, msgspec.DecodeError) as e:
-        return f"lease control unreachable: {e}"
-    if isinstance(reply, dict) and reply.get("ok") is True:
-        return None
-    return str(reply.get("error") if isinstance(reply, dict) else "bad reply")
+        answered, why = check.poll(timeout_s)
+    finally:
+        check.close()
+    return why if answered else f"lease control unreachable: no lease info within {timeout_s}s"
 
 
 class ControlServer(ReplyServer):

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from kvferry.connectors.protocol import messages
 from kvferry.connectors.protocol.step import RecvTask, ReuseRead
-from kvferry.connectors.transfer.lease_control import lease_holds
+from kvferry.connectors.protocol.tp_map import Segment
+from kvferry.connectors.transfer.lease_control import LeaseCheck
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
 from kvferry.connectors.transfer.transport import Peer, Transfer, XferState
 
@@ -33,14 +34,26 @@ class _Read:
     release: list[tuple[Peer, bytes]] = field(default_factory=list)  # pull: P's Done, also on failure
 
 
+@dataclass
+class _Checking:
+    """A reuse READ waiting for D's answer that its lease still holds."""
+
+    task: ReuseRead
+    check: LeaseCheck
+    pieces: list[tuple[int, list[Segment] | None]]
+    peers: dict[int, Peer]
+    started: float
+
+
 class Reads(RankPart):
     def __init__(self, io: RankIO, recv_timeout_s: float) -> None:
         super().__init__(io)
         self.recv_timeout_s = recv_timeout_s
         self._reads: dict[str, _Read] = {}
+        self._checks: dict[str, _Checking] = {}
 
     def busy(self) -> bool:
-        return bool(self._reads)
+        return bool(self._reads or self._checks)
 
     def start_pull(self, task: RecvTask, now: float) -> None:
         """D: READ our heads of the offered blocks (`Ranks.read_plan`), then tell every P
@@ -98,41 +111,73 @@ class Reads(RankPart):
 
     def start_reuse(self, rr: ReuseRead, now: float) -> None:
         """P: READ D's leased blocks (from each D rank holding some of our heads when D
-        has another TP size); any failure means recompute, never a wrong answer."""
-        xfers: list[Transfer] = []
+        has another TP size) once D has answered that the lease still holds; any failure
+        means recompute, never a wrong answer."""
         try:
             pieces = self.ranks.read_plan(rr.tp_size, "decode")
             peers = {r: self.peers.of_instance(rr.host, rr.port, rr.engine_id, r, rr.instance)
                      for r in {r for r, _ in pieces}}
+            if rr.deadline - time.time() <= 0:
+                raise TimeoutError("lease read deadline already passed")
+            if not rr.lease_id:
+                raise ValueError("offer names no lease to check")
+        except Exception as e:
+            self._reuse_not_started(rr, e)
+            return
+        # The check is part of the READ and may take what is left of its time (CI, two
+        # engines per core: D's control thread answered after more than 0.5 s); the
+        # transfer thread goes on with other transfers meanwhile (`_poll_checks`).
+        self._checks[rr.req_id] = _Checking(rr, LeaseCheck(rr.host, rr.control_port,
+                                                           rr.lease_id), pieces, peers, now)
+
+    def _poll_checks(self, now: float) -> None:
+        for req_id, c in list(self._checks.items()):
+            rr = c.task
+            answered, why = c.check.poll()
+            if not answered and time.time() < rr.deadline:
+                continue
+            del self._checks[req_id]
+            c.check.close()
+            if not answered:
+                self._reuse_not_started(rr, TimeoutError("D did not answer that the lease "
+                                                         "holds before the READ's deadline"))
+            elif why is not None:
+                self._reuse_not_started(rr, ValueError(f"lease ended on D: {why}"))
+            else:
+                self._start_reuse_xfers(c, now)
+
+    def _start_reuse_xfers(self, c: _Checking, now: float) -> None:
+        rr, xfers = c.task, []
+        try:
             budget = rr.deadline - time.time()
             if budget <= 0:
-                raise TimeoutError("lease read deadline already passed")
-            # the check is part of the READ: it may take what is left of the READ's time
-            # (CI, two engines per core: 0.5 s was too short for D's control thread)
-            if rr.lease_id and (why := lease_holds(rr.host, rr.control_port, rr.lease_id,
-                                                   budget)):
-                raise ValueError(f"lease ended on D: {why}")
-            budget = rr.deadline - time.time()
-            for r, segs in pieces:
-                xfers.append(self.transport.start("READ", peers[r], rr.local_block_ids,
+                raise TimeoutError("lease read deadline passed during the lease check")
+            for r, segs in c.pieces:
+                xfers.append(self.transport.start("READ", c.peers[r], rr.local_block_ids,
                                                   rr.remote_block_ids,
                                                   seg=None if segs is None else (segs, False)))
         except Exception as e:
             for x in xfers:
                 self.transport.release(x)
-            log.warning("request %s: reuse READ from %s not started (%s); recomputing",
-                        rr.req_id, rr.engine_id, e)
-            self.stats.event("reuse_reads_failed", rr.req_id, f"not started: {e}")
-            self.stats.event("recomputes", rr.req_id, "reuse READ not started")
-            if not isinstance(e, ValueError | IndexError | TimeoutError):
-                self.peers.drop_engine(rr.engine_id, rr.tp_size)
-            self.out.report(recvd={rr.req_id}, bad_blocks=rr.local_block_ids)
+            self._reuse_not_started(rr, e)
             return
-        self._reads[rr.req_id] = _Read(rr, xfers, now + budget, now, rr.engine_id, rr.tp_size,
-                                       strict=True)
+        self._reads[rr.req_id] = _Read(rr, xfers, now + budget, c.started, rr.engine_id,
+                                       rr.tp_size, strict=True)
+
+    def _reuse_not_started(self, rr: ReuseRead, e: Exception) -> None:
+        log.warning("request %s: reuse READ from %s not started (%s); recomputing",
+                    rr.req_id, rr.engine_id, e)
+        self.stats.event("reuse_reads_failed", rr.req_id, f"not started: {e}")
+        self.stats.event("recomputes", rr.req_id, "reuse READ not started")
+        if not isinstance(e, ValueError | IndexError | TimeoutError):
+            self.peers.drop_engine(rr.engine_id, rr.tp_size)
+        self.out.report(recvd={rr.req_id}, bad_blocks=rr.local_block_ids)
 
     def progress(self, now: float) -> None:
-        """Poll every READ in flight; report each one that ended or ran past its deadline."""
+        """Poll every lease check and READ in flight; report each READ that ended or ran
+        past its deadline."""
+        if self._checks:
+            self._poll_checks(now)
         for req_id, rd in list(self._reads.items()):
             state = self.transport.poll_all(rd.xfers)
             if state == XferState.PROC and now < rd.deadline:
