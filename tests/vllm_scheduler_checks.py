@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import helpers_vllm_api
 from helpers_vllm_api import (
@@ -153,9 +154,9 @@ def test_leases_yield_to_running_requests_where_vllm_asks(make):
         return  # (the reserve, test_a_lease_yields_to_the_reserve..., avoids the preemption)
     assert D.requests["d2"].status == RequestStatus.RUNNING  # not preempted:
     assert "L1" not in held  # vLLM asked; kvferry released the least recently used lease
-    time.sleep(LEASE_TIMING["lease_free_grace_s"] * 3)  # a free waits out READs in flight
-    so, _ = step(D)
-    assert so.kv_connector_metadata.step.free == ["d1"]  # the worker frees, then reports it
+    # No P was told L1 held (no READ can run): its blocks go to the worker in this step;
+    # the worker frees them, then reports it.
+    assert so.kv_connector_metadata.step.free == ["d1"]
     step(D, KVConnectorOutput(finished_sending={"d1"}))
     so, _ = step(D)
     assert dict(so.num_scheduled_tokens) == {"d2": 1}
@@ -170,10 +171,14 @@ def _leased_turn(D: Scheduler) -> None:
     assert "L1" in D.connector._sched.leases.table and free_blocks(D) == 4
 
 
-def _lease_freed(D: Scheduler) -> None:
-    """After the grace, the step hands d1's blocks to the worker, which reports them."""
-    time.sleep(LEASE_TIMING["lease_free_grace_s"] * 3)
-    so, _ = step(D)
+def _lease_freed(D: Scheduler, so: Any, p_checked: bool) -> None:
+    """d1's lease just ended in step ``so``: its blocks go to the worker in that step when
+    no P was told the lease held, else a grace after that answer (a READ may run till
+    then); the worker frees them and reports it."""
+    if p_checked:
+        assert so.kv_connector_metadata.step.free == []
+        time.sleep(LEASE_TIMING["lease_free_grace_s"] * 3)
+        so, _ = step(D)
     assert so.kv_connector_metadata.step.free == ["d1"]
     step(D, KVConnectorOutput(finished_sending={"d1"}))
 
@@ -182,14 +187,26 @@ def test_a_lease_yields_before_a_new_request_waits_for_blocks(make):
     """No version asks the connector when a new request cannot get blocks; kvferry reads
     the Scheduler's free blocks and waiting queue every step (`compat.kv_pressure`) and
     releases the least recently used lease the first waiting request needs."""
+    _yield_to_waiting(make, p_checked=False)
+
+
+def test_a_lease_p_was_told_held_yields_a_grace_later(make):
+    """As above, but a P about to READ was told the lease held: the blocks wait out
+    that READ (the grace), then go to the waiting request."""
+    _yield_to_waiting(make, p_checked=True)
+
+
+def _yield_to_waiting(make: Any, p_checked: bool) -> None:
     D = make("D", dict(LEASE_TIMING, lease_free_watermark=0), num_blocks=8)
     _leased_turn(D)
     keeper = D.connector._sched.leases
+    if p_checked:
+        keeper.info("L1")  # a P about to READ asked that L1 holds
     D.add_request(request("d2", list(range(100, 180)), 2, None))  # 80 tokens: 6 blocks
     so, _ = step(D)
     assert dict(so.num_scheduled_tokens) == {} and D.requests["d2"].status == RequestStatus.WAITING
     assert "L1" not in keeper.table and keeper.released_for_pressure == 1
-    _lease_freed(D)
+    _lease_freed(D, so, p_checked)
     so, _ = step(D)
     assert dict(so.num_scheduled_tokens) == {"d2": 80}
     assert keeper.released_for_pressure == 1
@@ -207,7 +224,7 @@ def test_a_lease_yields_to_the_reserve_before_anything_is_preempted(make):
     so, _ = step(D)
     assert dict(so.num_scheduled_tokens) == {"d2": 64} and free_blocks(D) == 0
     assert "L1" not in keeper.table and keeper.released_for_pressure == 1
-    _lease_freed(D)
+    _lease_freed(D, so, p_checked=False)
     so, _ = step(D)  # d2's next token takes a block d1 held
     assert dict(so.num_scheduled_tokens) == {"d2": 1}
     assert D.requests["d2"].status == RequestStatus.RUNNING
