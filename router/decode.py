@@ -48,6 +48,7 @@ class DecodeHooks:
     on_moved: Callable[[Upstream], None] | None = None  # the stream continues on this D
     on_answer: Callable[[bytes], None] | None = None  # a 200 JSON answer's bytes, before on_d_params
     before_json: Callable[[], Awaitable[None]] | None = None  # awaited before json_fields
+    before_done: Callable[[], Awaitable[None]] | None = None  # awaited before a stream's [DONE]
 
 
 async def send_decode(
@@ -203,4 +204,5 @@ def _stream(
         chunk_filter=hooks.chunk_filter,
         on_success=hooks.on_success,
         resume=mig.resume if mig is not None else None,
+        before_done=hooks.before_done,
     )

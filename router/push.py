@@ -37,11 +37,6 @@ from .wire import BODY_PREFILL_MS, BODY_REUSE_REASON, BODY_REUSED, HDR_PREFILL, 
 
 log = logging.getLogger(__name__)
 
-PUSH_REPORT_WAIT_S = 2.0
-"""How long D's JSON answer may wait for P's (PushPrefill.settle): P's answer is already
-due when D answers, so this bounds only a slow router loop, not a prefill."""
-
-
 @dataclass
 class PushPrefill:
     """The background P leg of one push request."""
@@ -51,6 +46,8 @@ class PushPrefill:
     """P leg duration once P answered 200, else None."""
     reused: tuple[int, str] | None = None
     """(Tokens P read back from D, why) for conversation reuse, once P answered."""
+    wait_s: float = 2.0
+    """RouterSettings.push_report_wait_s"""
 
     def cancel(self) -> None:
         """Abort P's request (closes its connection) unless it has finished."""
@@ -58,7 +55,8 @@ class PushPrefill:
             self.task.cancel()
 
     async def settle(self) -> None:
-        """Wait (up to PUSH_REPORT_WAIT_S) for P's answer before D's JSON answer goes out.
+        """Wait (up to `wait_s`) for P's answer before D's JSON answer, or the
+        `[DONE]` of D's stream, goes out.
 
         D answers once P's WRITE landed, so P's prefill is over and its HTTP answer is on
         its way; but the router may read D's answer first (seen in CI: a reuse turn
@@ -66,7 +64,7 @@ class PushPrefill:
         fields (reused tokens, P's time) would be missing from such an answer."""
         if self.task is None or self.task.done():
             return
-        await asyncio.wait({self.task}, timeout=PUSH_REPORT_WAIT_S)  # never raises for it
+        await asyncio.wait({self.task}, timeout=self.wait_s)  # never raises for it
 
     def json_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {} if self.ms is None else {BODY_PREFILL_MS: round(self.ms, 3)}
@@ -117,7 +115,7 @@ async def run_push(
     legs = build_legs("push", endpoint, clean, transfer_id, prefill_kv,
                       p_extra=turn.prefill_params() if turn else None, d_extra=d_extra)
     assert legs.decode_body is not None
-    leg = PushPrefill()
+    leg = PushPrefill(wait_s=ctx.settings.push_report_wait_s)
     p_failed: asyncio.Future[RouterError] = asyncio.get_running_loop().create_future()
 
     def failed(kind: str, detail: str) -> None:
@@ -154,7 +152,7 @@ async def run_push(
     await asyncio.sleep(0)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
     hooks = commit_hooks(ctx, turn, d, DecodeHooks(
-        json_fields=leg.json_fields, before_json=leg.settle,
+        json_fields=leg.json_fields, before_json=leg.settle, before_done=leg.settle,
         chunk_filter=InsertBeforeDone(leg.sse_event),
         on_abort=leg.cancel, migration=migration))
     d_leg = asyncio.create_task(send_decode(ctx, endpoint, path, legs.decode_body, headers,

@@ -87,6 +87,10 @@ class RouterSettings(BaseModel):
         300.0, gt=0, description="Read timeout for the decode leg, per received chunk."
     )
     max_connections: int = Field(1024, gt=0, description="httpx pool size shared by all upstreams.")
+    push_report_wait_s: float = Field(
+        2.0, ge=0, description="Push: how long D's JSON answer, or its stream's [DONE], may "
+        "wait for P's answer (reuse and timing fields); P's answer is due once D answers, "
+        "so this bounds a slow router loop, never a prefill.")
     # -- fleet -------------------------------------------------------------------------
     state: str = Field("memory", description="Conversation state: `memory` (this process) or "
                        "a Redis URL (`redis://host:6379/0`) shared by every router replica.")

@@ -40,6 +40,7 @@ class ChunkFilter(Protocol):
 
 
 DONE_EVENT = b"data: [DONE]"
+DONE = b"[DONE]"
 
 
 class InsertBeforeDone:
@@ -199,7 +200,8 @@ class UpstreamStream(Response):
     `on_first_chunk` is called once; `on_abort` (before the last close) when the stream
     did not end cleanly: the client went away, or a leg broke and no other took over;
     `on_success` when it did end cleanly. `chunk_filter` rewrites the client's bytes
-    across legs.
+    across legs; `before_done` is awaited once, before the upstream's `[DONE]` goes on
+    (push: P's report, which the filter inserts there, may still be on its way).
     """
 
     def __init__(
@@ -214,6 +216,7 @@ class UpstreamStream(Response):
         chunk_filter: ChunkFilter | None = None,
         on_success: Callable[[], None] | None = None,
         resume: Resume | None = None,
+        before_done: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.current = first
         self.leg = leg
@@ -228,6 +231,8 @@ class UpstreamStream(Response):
         self._filter = chunk_filter
         self._on_success = on_success
         self._resume = resume
+        self._before_done = before_done
+        self._tail = b""  # the last bytes of the previous upstream chunk
         self._sent_all = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -291,6 +296,10 @@ class UpstreamStream(Response):
                 if self._on_first_chunk is not None:
                     first, self._on_first_chunk = self._on_first_chunk, None
                     first()
+                if self._before_done is not None and DONE in self._tail + chunk:
+                    wait, self._before_done = self._before_done, None
+                    await wait()  # what `chunk_filter` adds before [DONE] may still be due
+                self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
                 if leg.filter is not None:
                     chunk = leg.filter.feed(chunk)
                 await self._to_client(send, chunk)

@@ -26,6 +26,6 @@ def expected_reuse(prev_prompt: list[int], prev_out: list[int], new_prompt: list
 def reused_of(headers: httpx.Headers, body: dict | None = None) -> int:
     """Tokens P read back from D: a header for pull; for push (whose P leg answers in the
     background) a field of D's body, which the router fills once P answered (it waits up to
-    router.push.PUSH_REPORT_WAIT_S for that: D may be read first)."""
+    RouterSettings.push_report_wait_s for that: D may be read first)."""
     return int(headers.get("x-kvferry-reused-tokens")
                or (body or {}).get("kvferry_reused_tokens", 0))

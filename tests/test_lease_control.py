@@ -123,7 +123,7 @@ def test_keeper_errors_become_reasons():
 
 def test_keeper_bug_is_reported_not_raised():
     class Broken:
-        def info(self, lease_id):
+        def info(self, lease_id, for_read=False):
             raise RuntimeError("boom")
 
     r = lc.handle(Broken(), wire.request("info", "L1", key=KEY), key=KEY)
@@ -183,6 +183,18 @@ def test_p_asks_whether_a_lease_still_holds_before_reading(served):
     assert lc.lease_holds("127.0.0.1", port, "nope", 2.0) == "unknown"
     why = lc.lease_holds("127.0.0.1", free_port(), "L2", 0.2)  # nobody listens
     assert why is not None and why.startswith("lease control unreachable")
+
+
+def test_ps_check_keeps_the_blocks_a_grace_the_routers_lookup_does_not():
+    """P's pre-READ "check" marks the lease read (its blocks outlive that READ by the
+    grace); the router's "info" (fetching an offer) does not delay a free."""
+    k = LeaseKeeper("D0", "boot-1", "127.0.0.1", 5700, BS, ttl=100.0, free_grace=60.0)
+    for lid in ("L1", "L2"):
+        assert k.grant(f"req-{lid}", {"lease_id": lid, "ttl": 50}, [1, 2, 3, 4], TOKENS, 16)
+    for op, lid in (("info", "L1"), ("check", "L2")):
+        assert lc.handle(k, wire.request(op, lid, key=KEY), key=KEY)["ok"] is True
+        k.release(lid)
+    assert k.due_frees() == ["req-L1"]  # L2's blocks wait out P's READ (60 s here)
 
 
 def test_lease_check_never_blocks_the_thread_that_polls_it():

@@ -208,7 +208,8 @@ def test_release_frees_a_grace_after_the_last_held_answer():
     grant(k, req="r1")
     c.t += 10
     held = c.t
-    assert parse_lease(k.info("L1")).lease_id == "L1"  # P may READ until held + its timeout
+    assert parse_lease(k.info("L1", for_read=True)).lease_id == "L1"  # P may READ till
+    # held + its READ timeout
     c.t += 1
     k.release("L1")
     assert k.num_blocks == 0  # no longer leased, but the blocks wait out that READ
@@ -220,11 +221,20 @@ def test_release_frees_a_grace_after_the_last_held_answer():
     assert k.due_frees() == []  # reported once
 
 
+def test_the_routers_lookup_is_no_read_and_does_not_delay_the_free():
+    c = Clock()
+    k = keeper(c)
+    grant(k, req="r1")
+    assert parse_lease(k.info("L1")).lease_id == "L1"  # the router fetching the offer
+    k.release("L1")
+    assert k.due_frees() == ["r1"]
+
+
 def test_release_long_after_the_held_answer_frees_at_once():
     c = Clock()
     k = keeper(c)
     grant(k, req="r1")
-    k.info("L1")
+    k.info("L1", for_read=True)
     c.t += GRACE + 5  # that READ has long ended
     k.release("L1")
     assert k.due_frees() == ["r1"]
@@ -237,7 +247,7 @@ def test_expiry_frees_at_the_sweep_or_a_grace_after_the_last_held_answer():
     grant(k, "L2", req="r2")
     c.t = T0 + TTL - 1
     assert k.due_frees() == [] and k.table.get("L1") is not None
-    k.info("L2")  # a READ of L2 may run until T0 + TTL - 1 + its timeout
+    k.info("L2", for_read=True)  # a READ of L2 may run until T0 + TTL - 1 + its timeout
     c.t = T0 + TTL  # the sweep at expiry ends both leases
     assert k.due_frees() == ["r1"] and k.table.get("L2") is None
     c.t = T0 + TTL - 1 + GRACE - 0.01
@@ -273,7 +283,7 @@ def test_max_blocks_evicts_least_recently_used_with_grace():
     assert parse_lease(k.info("a")).lease_id == "a"
     assert k.due_frees() == ["rb"]  # nobody was told b held: freed at once
     held = c.t
-    k.info("a")
+    k.info("a", for_read=True)
     grant(k, "d", req="rd")  # the cap again: a is now the least recently used
     assert k.table.get("a") is None
     c.t = held + GRACE - 0.01
@@ -342,17 +352,30 @@ def test_relieve_releases_least_recent_leases_until_the_want_is_covered(free, to
     assert k.num_blocks == 2 * (3 - len(released))
 
 
-def test_relieve_counts_blocks_already_on_their_way():
-    """Released leases free after the grace; a step in between must not release more for
-    the same shortfall."""
+def test_relieve_counts_blocks_already_due():
+    """A released lease nobody was reading frees in the next step; a step in between
+    must not release more for the same shortfall."""
     c = Clock()
     k = keeper(c)
     for lid in ("a", "b"):
         grant(k, lid, req=f"r{lid}")
     assert k.relieve(3, 100, 0, 0.05) == ["a"]  # wants 5: 3 free + a's 2
-    c.t += GRACE / 2
-    assert k.relieve(3, 100, 0, 0.05) == []  # a's blocks not free yet, but coming
+    assert k.relieve(3, 100, 0, 0.05) == []  # a's blocks not handed back yet, but due
     assert k.relieve(2, 100, 0, 0.05) == ["b"]  # the shortfall grew by one block
-    c.t += GRACE
     assert sorted(k.due_frees()) == ["ra", "rb"]
     assert k.relieve(0, 100, 0, 0.05) == [] and k.num_blocks == 0
+
+
+def test_relieve_does_not_wait_for_blocks_a_read_keeps():
+    """Blocks kept a grace for a READ in flight come too late for a waiting request:
+    the next least recent lease goes instead."""
+    c = Clock()
+    k = keeper(c)
+    for lid in ("a", "b", "c"):
+        grant(k, lid, req=f"r{lid}")
+    k.info("a", for_read=True)
+    k.release("a")  # the router replaced it, within the grace of P's READ
+    assert k.relieve(0, 100, 2, 0.0) == ["b"]  # a's 2 blocks come in GRACE: b's now
+    assert k.due_frees() == ["rb"]
+    c.t += GRACE
+    assert k.due_frees() == ["ra"] and k.table.get("c") is not None

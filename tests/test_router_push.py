@@ -14,10 +14,10 @@ import pytest
 from helpers_http import FakeEngine, serve
 
 from kvferry.router.app import create_app
-from kvferry.router.push import PUSH_REPORT_WAIT_S
 from kvferry.router.settings import RouterSettings
 from kvferry.scripts.bench_core import Result, Target, send_request
 
+PUSH_REPORT_WAIT_S = RouterSettings.model_fields["push_report_wait_s"].default
 P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [3], "remote_engine_id": "p0",
             "remote_host": "127.0.0.1", "remote_port": 5600}
 KV_ADDR = ("10.1.2.3", 5655)
@@ -156,14 +156,32 @@ def test_push_stream_timing_event_before_done(
     assert "kvferry_mode" not in d.received[0] and "kvferry_mode" not in p.received[0]
 
 
+def test_push_stream_done_waits_for_a_prefill_answer_that_is_due(
+    cluster: Callable[..., Cluster], client: httpx.Client
+) -> None:
+    """D's stream ended before the router had P's answer: its [DONE] waits for P's report
+    (within PUSH_REPORT_WAIT_S), so the reuse and timing fields are not lost."""
+    url, p, d = cluster()
+    p.delay_s = 0.6
+    with client.stream("POST", url + "/v1/completions", headers=PUSH,
+                       json={"model": "tiny", "prompt": "x", "stream": True}) as r:
+        text = r.read().decode()
+    assert d.answered_at[0] < p.answered_at[0]
+    events = sse_events(text)
+    assert events[-1] == "[DONE]"
+    assert 600 <= json.loads(events[-2])["kvferry_prefill_ms"] < 600 + PUSH_REPORT_WAIT_S * 1000
+
+
 def test_push_stream_without_prefill_answer_has_no_timing_event(
     cluster: Callable[..., Cluster], client: httpx.Client
 ) -> None:
     url, p, _ = cluster()
-    p.delay_s = 1.0
+    p.delay_s = PUSH_REPORT_WAIT_S + 1.5
+    t0 = time.monotonic()
     with client.stream("POST", url + "/v1/completions", headers=PUSH,
                        json={"model": "tiny", "prompt": "x", "stream": True}) as r:
         text = r.read().decode()
+    assert time.monotonic() - t0 < PUSH_REPORT_WAIT_S + 1.0  # a slow P never holds D's stream
     assert "kvferry_prefill_ms" not in text and sse_events(text)[-1] == "[DONE]"
 
 

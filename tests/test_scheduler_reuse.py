@@ -263,7 +263,7 @@ def test_d_leases_finished_turn_and_frees_after_release(clock):
     assert o.expiry == T0 + 30 and (o.host, o.port) == ("10.0.0.2", 5800)
     assert d.take_meta().free == []
     clock.t += 5
-    d.leases.info("L1")  # P asks before its READ: the blocks outlive that READ
+    d.leases.info("L1", for_read=True)  # P asks before its READ: the blocks outlive that READ
     d.leases.release("L1")
     clock.t += GRACE - 0.5
     assert d.take_meta().free == []
@@ -278,7 +278,7 @@ def test_d_lease_frees_after_expiry(clock):
     d.finished("d1", True, D_BLOCKS, {"lease": {"lease_id": "L1"}}, HISTORY[:10], tokens=HISTORY,
                num_computed=22)
     clock.t = T0 + TTL - 0.5
-    d.leases.info("L1")  # P's last check before a READ
+    d.leases.info("L1", for_read=True)  # P's last check before a READ
     clock.t = T0 + TTL
     assert d.take_meta().free == []
     clock.t = T0 + TTL - 0.5 + GRACE

@@ -201,7 +201,7 @@ def _yield_to_waiting(make: Any, p_checked: bool) -> None:
     _leased_turn(D)
     keeper = D.connector._sched.leases
     if p_checked:
-        keeper.info("L1")  # a P about to READ asked that L1 holds
+        keeper.info("L1", for_read=True)  # a P about to READ asked that L1 holds
     D.add_request(request("d2", list(range(100, 180)), 2, None))  # 80 tokens: 6 blocks
     so, _ = step(D)
     assert dict(so.num_scheduled_tokens) == {} and D.requests["d2"].status == RequestStatus.WAITING

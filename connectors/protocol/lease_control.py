@@ -19,8 +19,10 @@ import msgspec
 
 from kvferry.connectors.protocol.params import mac, mac_ok
 
-Op = Literal["renew", "release", "info"]
-OPS: tuple[str, ...] = ("renew", "release", "info")
+# "info": the router looks a lease up; "check": a P about to READ the lease's blocks asks
+# that it still holds (D then keeps them a grace longer than that READ may run).
+Op = Literal["renew", "release", "info", "check"]
+OPS: tuple[str, ...] = ("renew", "release", "info", "check")
 MAX_SKEW_S = 300.0
 
 

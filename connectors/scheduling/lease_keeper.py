@@ -10,7 +10,7 @@ lease-control side channel (another thread, hence the lock).
 Safety against freeing blocks under a running READ is time-based, because READs are
 one-sided and D never sees them. D may end a lease at any time (expiry, release, memory
 pressure in `relieve`, the lease cap) while the router still holds its offer, so P asks
-D that the lease still holds just before each READ (`transfer.lease_control.lease_holds`)
+D that the lease still holds just before each READ (`transfer.lease_control.LeaseCheck`)
 and abandons the READ after ``read_timeout`` (< ``free_grace``). A "held" answer at t (D's
 clock) therefore means: no free before t + free_grace, when that READ has ended. A lease
 that ends with no "held" answer in the last ``free_grace`` seconds has no READ in flight
@@ -110,18 +110,17 @@ class LeaseKeeper:
 
     def evict_for_pressure(self) -> bool:
         """vLLM could not allocate (`has_pending_block_frees`): release the least recently
-        used lease, unless an earlier free is still on its way. True if a free is coming."""
+        used lease, unless blocks are already due to come free. True if a free is coming."""
         with self._lock:
-            if self._frees:
-                return True
-            # nothing is on its way (coming == 0) until the least recent lease is released
-            return bool(self._release_lru(lambda coming: coming == 0, self.clock()))
+            self._release_lru(lambda due: due == 0, self.clock())
+            return bool(self._frees)
 
     def relieve(self, free: int, total: int, head_need: int, watermark: float) -> list[str]:
         """Memory is getting short: release least recently used leases until the free
-        blocks plus those already on their way cover ``max(watermark * total, head_need)``
+        blocks plus those due to come free now cover ``max(watermark * total, head_need)``
         (the reserve running requests grow into, and what the first waiting request
-        needs). Any vLLM version, every step; the lease ids released."""
+        needs). Blocks kept a grace for a READ in flight do not count: the request would
+        wait for them. Any vLLM version, every step; the lease ids released."""
         want = max(math.ceil(watermark * total), head_need)
         if free >= want:
             return []
@@ -151,7 +150,9 @@ class LeaseKeeper:
         with self._lock:
             self._schedule(self.table.release(lease_id, now), now)
 
-    def info(self, lease_id: str) -> dict[str, Any]:
+    def info(self, lease_id: str, for_read: bool = False) -> dict[str, Any]:
+        """The signed offer of a lease that still holds, else LeaseError. ``for_read``: a P
+        asks before READing the blocks (`LeaseCheck`), so they outlive that READ."""
         now = self.clock()
         with self._lock:
             lease = self.table.get(lease_id)
@@ -160,19 +161,18 @@ class LeaseKeeper:
                 raise LeaseError(lease_id, Refusal.UNKNOWN)
             if now >= lease.expiry:
                 raise LeaseError(lease_id, Refusal.EXPIRED)
-            self._held_at[lease_id] = now  # a READ may run until now + read_timeout
+            if for_read:
+                self._held_at[lease_id] = now  # a READ may run until now + read_timeout
             return sign(self._offers[lease_id])
 
     # -- internals -----------------------------------------------------------------------
     def _release_lru(self, short: Callable[[int], bool], now: float) -> list[str]:
-        """Release least recently used leases while ``short(blocks on their way)``; under
-        the lock. Counted in `released_for_pressure`."""
-        coming = sum(n for _, _, n in self._frees)
+        """Release least recently used leases while ``short(blocks due to come free by
+        now)``; under the lock. Counted in `released_for_pressure`."""
         released: list[str] = []
-        while short(coming) and (victim := self.table.least_recent()) is not None:
-            freed = self.table.release(victim, now)
-            coming += sum(len(f.block_ids) for f in freed)
-            self._schedule(freed, now)
+        while short(sum(n for at, _, n in self._frees if at <= now)) and (
+                victim := self.table.least_recent()) is not None:
+            self._schedule(self.table.release(victim, now), now)
             released.append(victim)
         self.released_for_pressure += len(released)
         return released

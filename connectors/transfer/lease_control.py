@@ -34,7 +34,7 @@ def handle(keeper: Any, blob: bytes, key: bytes | None = None, now: float | None
         if op == "release":
             keeper.release(lease_id)
             return {"ok": True}
-        return {"ok": True, "offer": keeper.info(lease_id)}
+        return {"ok": True, "offer": keeper.info(lease_id, for_read=op == "check")}
     except LeaseError as e:
         return {"ok": False, "error": str(e.reason)}
     except Exception as e:  # a bug must not kill the channel
@@ -52,8 +52,8 @@ class LeaseCheck:
         self._pending: PendingReply | None = None
         self._early: str | None = None
         try:
-            self._pending = PendingReply(host, port, wire.request("info", lease_id),
-                                         "lease info")
+            self._pending = PendingReply(host, port, wire.request("check", lease_id),
+                                         "lease check")
         except HandshakeError as e:
             self._early = f"lease control unreachable: {e}"
 
@@ -90,7 +90,7 @@ def lease_holds(host: str, port: int, lease_id: str, timeout_s: float) -> str | 
         answered, why = check.poll(timeout_s)
     finally:
         check.close()
-    return why if answered else f"lease control unreachable: no lease info within {timeout_s}s"
+    return why if answered else f"lease control unreachable: no lease check within {timeout_s}s"
 
 
 class ControlServer(ReplyServer):
