@@ -25,7 +25,7 @@ from kvferry.connectors.protocol import timeline
 from . import bodies
 from .context import TIMELINE, FlowContext
 from .conversations import Turn
-from .decode import DecodeHooks, send_decode
+from .decode import DecodeHooks, send_decode_or_next
 from .errors import RouterError, never_sent
 from .kv_events import choose_prefill
 from .migrate import Migration
@@ -101,8 +101,10 @@ async def run_push(
     and both legs go again, on another healthy P; once, unless P refused the connection
     (it never saw the request): then on every P not yet tried, each at most once. Once D
     answered, a failing P is logged and counted but D is left alone: its connector falls
-    back (per kv_load_failure_policy) when P's write never comes. A failing D leg or a
-    client that disconnects cancels the P leg.
+    back (per kv_load_failure_policy) when P's write never comes. A D that refused the
+    connection (it never saw the leg) is replaced by another healthy D, each at most once
+    (`send_decode_or_next`). A D leg that fails otherwise, or a client that disconnects,
+    cancels the P leg.
     """
     d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
     p = prefill or choose_prefill(ctx, clean, exclude)
@@ -151,12 +153,18 @@ async def run_push(
     # P's prefill is the critical path: let its request go out before D's is built.
     await asyncio.sleep(0)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
-    hooks = commit_hooks(ctx, turn, d, DecodeHooks(
-        json_fields=leg.json_fields, before_json=leg.settle, before_done=leg.settle,
-        chunk_filter=InsertBeforeDone(leg.sse_event),
-        on_abort=leg.cancel, migration=migration))
-    d_leg = asyncio.create_task(send_decode(ctx, endpoint, path, legs.decode_body, headers,
-                                            stream, started, resp_headers, d, hooks))
+
+    def hooks_for(dd: Upstream) -> DecodeHooks:
+        return commit_hooks(ctx, turn, dd, DecodeHooks(
+            json_fields=leg.json_fields, before_json=leg.settle, before_done=leg.settle,
+            chunk_filter=InsertBeforeDone(leg.sse_event),
+            on_abort=leg.cancel, migration=migration))
+
+    # A D that refuses the connection never saw the leg: another D may register with P
+    # for the same transfer (D's body names P and the transfer, no D).
+    d_leg = asyncio.create_task(send_decode_or_next(
+        ctx, endpoint, path, legs.decode_body, headers, stream, started, resp_headers, d,
+        hooks_for, "push"))
     try:
         await asyncio.wait({d_leg, p_failed}, return_when=asyncio.FIRST_COMPLETED)
         if not d_leg.done() and (not exclude or never_sent(p_failed.result())):

@@ -172,3 +172,30 @@ def test_push_prefill_moves_past_every_refusing_prefill(stack: ExitStack) -> Non
     assert r.status_code == 200 and r.headers["x-kvferry-prefill"] == purl
     assert metric(app, "kvferry_router_retries_total", leg="prefill", mode="push") == 2
     assert d.received[-1]["kv_transfer_params"]["remote_port"] == 5603
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_push_refused_decode_leg_goes_to_another_decode(stack: ExitStack, stream: bool) -> None:
+    """Push: a D that refused the connection never registered with P, so another D takes
+    the same leg (same transfer id, same P side channel) and P's leg goes on."""
+    p = FakeEngine("p0", kv_params=dict(P_PARAMS), delay_s=0.3)
+    d1 = FakeEngine("d1", chunks=3)
+    dead = closed_port_url()
+    purl, d1url = (stack.enter_context(serve(e.app())) for e in (p, d1))
+    url, app = router(stack, prefill_urls=[purl], decode_urls=[dead, d1url],
+                      prefill_kv_addrs=["127.0.0.1:5601"])
+    r = post(url, {**BODY, "stream": stream}, headers={"x-kvferry-mode": "push"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvferry-decode"] == d1url
+    tid = r.headers["x-kvferry-transfer-id"]
+    kv = d1.received[0]["kv_transfer_params"]
+    assert kv["transfer_id"] == tid and kv["push"] is True and kv["remote_port"] == 5601
+    assert len(p.received) == 1 and p.received[0]["kv_transfer_params"]["transfer_id"] == tid
+    assert not p.disconnected.is_set()  # P's leg was not cancelled
+    if stream:
+        assert "tok2" in r.text and r.text.endswith("data: [DONE]\n\n")
+        assert "kvferry_prefill_ms" in r.text  # P's report, before [DONE]
+    else:
+        assert r.json()["choices"][0]["text"] == "d1 answer" and "kvferry_prefill_ms" in r.json()
+    assert metric(app, "kvferry_router_retries_total", leg="decode", mode="push") == 1
+    assert metric(app, "kvferry_router_ejections_total", role="decode", upstream=dead) == 1
