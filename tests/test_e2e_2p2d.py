@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -166,4 +167,31 @@ def test_release_frees_every_engine(cluster):
         r = httpx.delete(cluster.router + f"/v1/kvferry/conversations/{cid}", timeout=10)
         assert r.json() == {"released": True}
     for e in cluster.engines:
+        wait_until(lambda e=e: e.kv_usage() == 0, 30, f"{e.role} {e.url} to free every block")
+
+
+def _router_metric(cluster: Cluster, name: str, **labels: str) -> float:
+    text = httpx.get(cluster.router + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith(name + "{") and all(f'{k}="{v}"' in ln for k, v in labels.items()))
+
+
+def test_a_killed_prefill_leaves_the_other_to_serve(cluster):
+    """Last in the module: P1 SIGKILLed (its port refuses). Every request, pull and push,
+    still succeeds on P0 with the colocated answer; P1 is ejected once (by the refusal of
+    a leg, retried on P0, or by a health probe, whichever came first)."""
+    victim, live = cluster.prefills[1], cluster.prefills[0]
+    victim.child.signal_group(signal.SIGKILL)
+    wait_until(lambda: not victim.child.group_alive(), 10, "P1 to die")
+    retries0 = _router_metric(cluster, "kvferry_router_retries_total", leg="prefill")
+    for i, mode in enumerate(("pull", "push", "pull", "push")):
+        toks = prompt(300, 900 + i)
+        resp, headers = send(cluster, toks, mode)
+        assert headers["x-kvferry-prefill"] == live.url, (mode, headers)
+        assert_same_output(resp, cluster.colocated(toks))
+    assert _router_metric(cluster, "kvferry_router_ejections_total", role="prefill",
+                          upstream=victim.url) == 1
+    retried = _router_metric(cluster, "kvferry_router_retries_total", leg="prefill") - retries0
+    assert retried <= 1  # at most the first leg that met the dead P; none after ejection
+    for e in cluster.decodes + [live]:
         wait_until(lambda e=e: e.kv_usage() == 0, 30, f"{e.role} {e.url} to free every block")
