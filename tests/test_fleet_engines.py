@@ -263,3 +263,22 @@ def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> Non
     assert fleet.b.metric("kvferry_router_migrated_tokens_total") >= 6
     wait_for(lambda: not next(e for e in (fleet.d0, fleet.d1)
                               if e.url == killed).child.group_alive(), 10, "D dead")
+
+
+def test_killed_decode_restarted_is_readmitted_and_gets_work(fleet: Fleet) -> None:
+    """After the previous test's SIGKILL: the same D started again on its port answers
+    the routers' probes, is re-admitted, and serves requests again (colocated answers)."""
+    dead = next(e for e in (fleet.d0, fleet.d1) if not e.child.group_alive())
+    assert fleet.b.metric("kvferry_router_upstream_healthy", role="decode",
+                          upstream=dead.url) == 0
+    back0 = fleet.b.metric("kvferry_router_readmissions_total", role="decode",
+                           upstream=dead.url)
+    dead.child.start()  # same command line, port and side channel
+    wait_healthy([dead.child], STARTUP_S)
+    wait_for(lambda: fleet.b.metric("kvferry_router_upstream_healthy", role="decode",
+                                    upstream=dead.url) == 1, 30, "D re-admitted")
+    assert fleet.b.metric("kvferry_router_readmissions_total", role="decode",
+                          upstream=dead.url) == back0 + 1
+    served = [turn(fleet.b, fleet, prompt(200, 60 + i), None)[1]["x-kvferry-decode"]
+              for i in range(2)]  # least in flight, ties round-robin: one goes to it
+    assert dead.url in served, served
