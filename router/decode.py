@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,14 @@ class DecodeHooks:
     on_answer: Callable[[bytes], None] | None = None  # a 200 JSON answer's bytes, before on_d_params
     before_json: Callable[[], Awaitable[None]] | None = None  # awaited before json_fields
     before_done: Callable[[], Awaitable[None]] | None = None  # awaited before a stream's [DONE]
+
+
+def choose_decode(ctx: FlowContext, turn: Any, broken: Collection[str] = ()) -> Upstream:
+    """The conversation's D (where its KV is) unless gone or overloaded, else the least
+    loaded; never one in `broken` (it failed this request already)."""
+    if broken:
+        return ctx.decode.choose(exclude=broken)
+    return ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
 
 
 async def send_decode(

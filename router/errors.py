@@ -20,13 +20,15 @@ def error_body(message: str, status: int, err_type: str, code: str | None = None
 class RouterError(Exception):
     """A request failure already mapped to an HTTP status and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, err_type: str, leg: str, kind: str) -> None:
+    def __init__(self, status: int, message: str, err_type: str, leg: str, kind: str,
+                 upstream: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type
         self.leg = leg
         self.kind = kind
+        self.upstream = upstream  # the engine that failed, where one did
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         """JSON response for the client."""
@@ -38,25 +40,29 @@ def from_transport(exc: httpx.HTTPError, leg: str, url: str) -> RouterError:
     """Map an httpx failure: timeouts -> 504, anything else on the wire -> 502."""
     if isinstance(exc, httpx.ConnectTimeout):
         return RouterError(504, f"{leg} upstream {url} connect timeout", "upstream_timeout",
-                           leg, "connect_timeout")
+                           leg, "connect_timeout", url)
     if isinstance(exc, httpx.TimeoutException):
         return RouterError(504, f"{leg} upstream {url} timed out ({type(exc).__name__})",
-                           "upstream_timeout", leg, "timeout")
+                           "upstream_timeout", leg, "timeout", url)
     if isinstance(exc, httpx.ConnectError):
         return RouterError(502, f"{leg} upstream {url} unreachable: {exc}",
-                           "upstream_unavailable", leg, "connect")
+                           "upstream_unavailable", leg, "connect", url)
     return RouterError(502, f"{leg} upstream {url} failed: {type(exc).__name__}: {exc}",
-                       "upstream_error", leg, "transport")
+                       "upstream_error", leg, "transport", url)
 
 
 def from_status(status: int, text: str, leg: str, url: str) -> RouterError:
     """Map an upstream 5xx to 502, keeping the start of its message for the client."""
     snippet = text.strip().replace("\n", " ")[:500]
     return RouterError(502, f"{leg} upstream {url} returned HTTP {status}: {snippet}",
-                       "upstream_error", leg, f"http_{status}")
+                       "upstream_error", leg, f"http_{status}", url)
 
 
 NOT_SENT = ("connect", "connect_timeout")
+BROKE = "transport"
+"""The `from_transport` kind of a leg whose engine took the request, then dropped the
+connection without an answer (it died, most likely): a JSON answer may be asked afresh
+of another pair, since the client has seen nothing."""
 """`from_transport` kinds of a leg whose connection never opened: the engine got no byte
 of the request, so the same leg may go to another engine as it is."""
 

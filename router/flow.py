@@ -47,7 +47,8 @@ from . import bodies
 from .answers import ms_str, passthrough
 from .context import FlowContext, forward_headers
 from .d_local import route_turn
-from .decode import DecodeHooks, send_decode_or_next
+from .decode import DecodeHooks, choose_decode, send_decode_or_next
+from .errors import BROKE, RouterError
 from .migrate import Migration
 from .prefill import build_legs, prefill_with_retry
 from .push import run_push
@@ -68,9 +69,14 @@ async def run_request(
     client_headers: Any,
     mode: Mode,
 ) -> Response:
-    """Serve one completions/chat request through P and D; raises RouterError on failure."""
+    """Serve one completions/chat request through P and D; raises RouterError on failure.
+
+    A request whose D took it and dropped the connection before answering (it died) is
+    served afresh by another pair, up to `max_migrations` times: no byte has reached the
+    client (this raises before any response exists), and the new pair gets a new prefill
+    and transfer (P's first offer may have been read and freed already, so it is never
+    handed to another D). A stream that breaks later continues mid-way (`migrate.py`)."""
     started = time.perf_counter()
-    transfer_id = uuid.uuid4().hex
     turn = None
     if ctx.conversations is not None and ctx.settings.reuse_available:
         turn = await ctx.conversations.begin(body, client_headers)
@@ -80,6 +86,37 @@ async def run_request(
             ctx.metrics.stale_entries.inc()
             turn.entry = None
     clean = bodies.sanitize(body)
+    broken: set[str] = set()
+    left = ctx.settings.max_migrations
+    while True:
+        try:
+            return await _serve(ctx, endpoint, path, clean, client_headers, mode, started,
+                                turn, frozenset(broken))
+        except RouterError as err:
+            if (err.leg != "decode" or err.kind != BROKE or err.upstream is None or left == 0
+                    or ctx.decode.healthy_count(broken | {err.upstream}) == 0):
+                raise
+            left -= 1
+            broken.add(err.upstream)
+            if turn is not None and turn.entry is not None and turn.entry.decode_url in broken:
+                turn.entry = None  # its history was on the D that broke
+            ctx.metrics.migrations.labels(result="rerun").inc()
+            log.warning("%s before answering; the request goes to another pair", err.message)
+
+
+async def _serve(
+    ctx: FlowContext,
+    endpoint: str,
+    path: str,
+    clean: dict[str, Any],
+    client_headers: Any,
+    mode: Mode,
+    started: float,
+    turn: Any,
+    broken: frozenset[str],
+) -> Response:
+    """One pass through a pair, on no D in `broken`."""
+    transfer_id = uuid.uuid4().hex
     stream = bodies.wants_stream(clean)
     headers = forward_headers(client_headers, transfer_id)
     migration = Migration(ctx, endpoint, path, clean, headers, turn) if stream else None
@@ -89,7 +126,7 @@ async def run_request(
         return local
     if mode == "push":
         return await run_push(ctx, endpoint, path, clean, transfer_id, headers, stream,
-                              started, turn, migration=migration)
+                              started, turn, migration=migration, decode_exclude=broken)
 
     legs = build_legs(mode, endpoint, clean, transfer_id,
                       p_extra=turn.prefill_params() if turn else None)
@@ -117,7 +154,7 @@ async def run_request(
     if turn is not None:
         kv_params = {**(kv_params or {}), **turn.lease_request(ctx.settings.lease_ttl_s)}
     d_body = bodies.decode_body(clean, kv_params)
-    d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
+    d = choose_decode(ctx, turn, broken)
     return await send_decode_or_next(
         ctx, endpoint, path, d_body, headers, stream, started, resp_headers, d,
         lambda up: commit_hooks(ctx, turn, up, DecodeHooks(migration=migration)), "pull")

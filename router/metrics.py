@@ -169,7 +169,9 @@ class RouterMetrics:
             "kvferry_router_migrations",
             "Streams whose decode engine broke mid-stream, by outcome: ok (continued on "
             "another pair), finished (D had sent everything; the router ended the stream), "
-            "unsupported (the request cannot move), no_engine (no pair left to take it).",
+            "unsupported (the request cannot move), no_engine (no pair left to take it); "
+            "rerun: a JSON request whose D took it and dropped the connection unanswered, "
+            "served afresh by another pair.",
             ["result"],
             registry=self.registry,
         )

@@ -25,7 +25,7 @@ from kvferry.connectors.protocol import timeline
 from . import bodies
 from .context import TIMELINE, FlowContext
 from .conversations import Turn
-from .decode import DecodeHooks, send_decode_or_next
+from .decode import DecodeHooks, choose_decode, send_decode_or_next
 from .errors import RouterError, never_sent
 from .kv_events import choose_prefill
 from .migrate import Migration
@@ -93,6 +93,7 @@ async def run_push(
     exclude: frozenset[str] = frozenset(),
     migration: Migration | None = None,
     prefill: Upstream | None = None,
+    decode_exclude: frozenset[str] = frozenset(),
 ) -> Response:
     """Push: choose D, then P (`prefill` when a retry already chose it); send both legs
     at once; D's answer is the client's.
@@ -106,7 +107,7 @@ async def run_push(
     (`send_decode_or_next`). A D leg that fails otherwise, or a client that disconnects,
     cancels the P leg.
     """
-    d = ctx.decode.choose_sticky(turn.entry.decode_url if turn and turn.entry else None)
+    d = choose_decode(ctx, turn, decode_exclude)
     p = prefill or choose_prefill(ctx, clean, exclude)
     prefill_kv = ctx.settings.prefill_kv_addr(p.url)
     if prefill_kv is None:
@@ -175,7 +176,8 @@ async def run_push(
                 retry_id = uuid.uuid4().hex  # a fresh transfer: D's old one is cancelled
                 return await run_push(ctx, endpoint, path, clean, retry_id,
                                       {**headers, "x-request-id": retry_id}, stream, started,
-                                      turn, exclude | {p.url}, migration, other)
+                                      turn, exclude | {p.url}, migration, other,
+                                      decode_exclude)
         resp = await d_leg
     except BaseException:
         d_leg.cancel()

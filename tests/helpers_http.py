@@ -6,6 +6,7 @@ Kept out of conftest.py so other test modules can import it without fixture clas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -86,6 +87,47 @@ def closed_port_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def dropping_server() -> Iterator[tuple[str, list[bytes]]]:
+    """(URL, requests received): an engine that dies holding the request. Each connection
+    is read until its body is complete, then closed without an answer ("Server
+    disconnected without sending a response"); `/health` is dropped the same way."""
+    got: list[bytes] = []
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve_forever() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                data = b""
+                with contextlib.suppress(OSError):
+                    while b"\r\n\r\n" not in data:
+                        data += conn.recv(65536) or b"!"
+                    head, _, rest = data.partition(b"\r\n\r\n")
+                    n = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                              if ln.lower().startswith(b"content-length:")), 0)
+                    while len(rest) < n:
+                        rest += conn.recv(65536) or b"!" * n
+                got.append(head + b"\r\n\r\n" + rest)
+
+    t = threading.Thread(target=serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}", got
+    finally:
+        stop.set()
+        t.join(timeout=2)
+        srv.close()
 
 
 @dataclass

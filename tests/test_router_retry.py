@@ -18,7 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from helpers_fleet import AUTH, KEY, P_PARAMS, LeasingD, metric, reuse_of
-from helpers_http import FakeEngine, closed_port_url, free_port, serve
+from helpers_http import FakeEngine, closed_port_url, dropping_server, free_port, serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvferry.connectors.protocol.params import SECRET_ENV
@@ -199,3 +199,41 @@ def test_push_refused_decode_leg_goes_to_another_decode(stack: ExitStack, stream
         assert r.json()["choices"][0]["text"] == "d1 answer" and "kvferry_prefill_ms" in r.json()
     assert metric(app, "kvferry_router_retries_total", leg="decode", mode="push") == 1
     assert metric(app, "kvferry_router_ejections_total", role="decode", upstream=dead) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_request_whose_decode_died_holding_it_is_served_by_another_pair(
+        stack: ExitStack, mode: str, stream: bool) -> None:
+    """A D that took the request and dropped the connection before answering (it died):
+    the client has seen nothing, so the request is served afresh (a new prefill and
+    transfer: P's first offer may be read and freed already, never handed to another D)."""
+    p, d1 = FakeEngine("p0", kv_params=dict(P_PARAMS)), FakeEngine("d1")
+    dying, dropped = stack.enter_context(dropping_server())
+    purl, d1url = (stack.enter_context(serve(e.app())) for e in (p, d1))
+    url, app = router(stack, prefill_urls=[purl], decode_urls=[dying, d1url],
+                      prefill_kv_addrs=["127.0.0.1:5601"])
+    r = post(url, {**BODY, "stream": stream}, headers={"x-kvferry-mode": mode})  # ties
+    assert r.status_code == 200, r.text  # start at the first D: the dying one
+    if stream:
+        assert "tok3" in r.text and r.text.endswith("data: [DONE]\n\n")
+    else:
+        assert r.json()["choices"][0]["text"] == "d1 answer"
+    assert r.headers["x-kvferry-decode"] == d1url
+    assert len(dropped) == 1 and len(d1.received) == 1 and len(p.received) == 2
+    ids = {h["x-request-id"] for h in p.headers}
+    assert len(ids) == 2 and d1.headers[0]["x-request-id"] in ids  # a new transfer
+    assert metric(app, "kvferry_router_migrations_total", result="rerun") == 1
+
+
+def test_a_request_on_the_last_decode_is_not_rerun(stack: ExitStack) -> None:
+    """A request is asked afresh only while another healthy D is left: here the one D
+    dies holding it, a clear 502."""
+    p = FakeEngine("p0", kv_params=dict(P_PARAMS))
+    dying, dropped = stack.enter_context(dropping_server())
+    purl = stack.enter_context(serve(p.app()))
+    url, app = router(stack, prefill_urls=[purl], decode_urls=[dying])
+    r = post(url)
+    assert r.status_code == 502 and "decode upstream" in r.json()["error"]["message"]
+    assert len(dropped) == 1 and len(p.received) == 1
+    assert metric(app, "kvferry_router_migrations_total", result="rerun") == 0
