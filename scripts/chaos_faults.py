@@ -12,6 +12,7 @@ history back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
@@ -256,14 +257,23 @@ class Injector:
             return
         key = f"hold-{len(self.events)}"
         hold_s = self.stack.extra["reuse_read_timeout_s"] + 2.0
+        tags = [p.name for p in self.stack.prefills]
         self.plan.on(key, [{"point": "done_hold", "action": "delay", "p": 1.0, "s": hold_s,
-                            "tags": [p.name for p in self.stack.prefills]}])
+                            "tags": tags}])
         time.sleep(1.0)  # every engine has re-read the plan (faults.RELOAD_S)
+        held0 = self._hits("done_hold", tags)
         th = threading.Thread(target=self._send, args=(ev, Item(
             second.endpoint, second.body, "pull", "lease_expire_mid_read", want=second.want,
             cid=cid)))
         th.start()
-        time.sleep(0.5)
+        # Release while P's READ is in flight: P asks D that the lease holds just before
+        # it READs, so a release that came first would leave no READ to race (P would
+        # recompute at its check). The hold hit says the READ has started and is held.
+        deadline = time.monotonic() + hold_s + 10.0
+        while (self._hits("done_hold", tags) == held0 and th.is_alive()
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        in_flight = self._hits("done_hold", tags) > held0
         try:
             r = self.client.delete(f"{self.stack.router.url}/v1/kvferry/conversations/{cid}",
                                    timeout=30)
@@ -273,4 +283,16 @@ class Injector:
         th.join()
         self.plan.off(key)
         reuse = ev.outcomes[-1].headers.get("x-kvferry-reuse-reason", "")
-        ev.detail = f"released={released}; turn 2 reuse_reason={reuse!r}"
+        ev.detail = (f"released={released} with the READ in flight={in_flight}; "
+                     f"turn 2 reuse_reason={reuse!r}")
+
+    def _hits(self, point: str, tags: list[str]) -> int:
+        """Hook hits at `point` so far in the processes tagged `tags` (faults.py's events)."""
+        n = 0
+        for f in self.plan.events.glob("*.jsonl") if self.plan.events.exists() else []:
+            with contextlib.suppress(OSError):
+                for ln in f.read_text().splitlines():
+                    with contextlib.suppress(ValueError):
+                        ev = json.loads(ln)
+                        n += ev.get("point") == point and ev.get("tag") in tags
+        return n
