@@ -46,6 +46,7 @@ from starlette.responses import Response
 from . import bodies
 from .answers import ms_str, passthrough
 from .context import FlowContext, forward_headers
+from .conversations import Turn
 from .d_local import route_turn
 from .decode import DecodeHooks, choose_decode, send_decode_or_next
 from .errors import BROKE, RouterError
@@ -112,7 +113,7 @@ async def _serve(
     client_headers: Any,
     mode: Mode,
     started: float,
-    turn: Any,
+    turn: Turn | None,
     broken: frozenset[str],
 ) -> Response:
     """One pass through a pair, on no D in `broken`."""

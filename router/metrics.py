@@ -170,8 +170,8 @@ class RouterMetrics:
             "Streams whose decode engine broke mid-stream, by outcome: ok (continued on "
             "another pair), finished (D had sent everything; the router ended the stream), "
             "unsupported (the request cannot move), no_engine (no pair left to take it); "
-            "rerun: a JSON request whose D took it and dropped the connection unanswered, "
-            "served afresh by another pair.",
+            "rerun: a request whose D took it and dropped the connection before answering "
+            "(JSON, or a stream before its first byte), served afresh by another pair.",
             ["result"],
             registry=self.registry,
         )

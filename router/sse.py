@@ -296,10 +296,11 @@ class UpstreamStream(Response):
                 if self._on_first_chunk is not None:
                     first, self._on_first_chunk = self._on_first_chunk, None
                     first()
-                if self._before_done is not None and DONE in self._tail + chunk:
-                    wait, self._before_done = self._before_done, None
-                    await wait()  # what `chunk_filter` adds before [DONE] may still be due
-                self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
+                if self._before_done is not None:
+                    if DONE in self._tail + chunk:
+                        wait, self._before_done = self._before_done, None
+                        await wait()  # what `chunk_filter` adds before [DONE] may be due
+                    self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
                 if leg.filter is not None:
                     chunk = leg.filter.feed(chunk)
                 await self._to_client(send, chunk)

@@ -33,7 +33,7 @@ from typing import Annotated, Any
 import httpx
 import typer
 
-from .chaos_faults import Injector, Plan, schedule
+from .chaos_faults import Injector, Plan, hook_events, schedule
 from .chaos_stack import ChaosStack, settle_bound_s
 from .chaos_traffic import Outcome, Workload, build, references, send
 
@@ -128,10 +128,8 @@ def books(stack: ChaosStack, inj: Injector, outcomes: list[Outcome], baseline: d
     mine = [mb for i, mb in rss if i == last]
     if len(mine) >= 2 and mine[-1] - min(mine) > RSS_GROWTH_MB:
         b.violations.append(f"router RSS grew {mine[-1] - min(mine):.0f} MB")
-    for f in sorted(events_dir.glob("*.jsonl")) if events_dir.exists() else []:
-        for ln in f.read_text().splitlines():
-            ev = json.loads(ln)
-            b.hook_hits[f"{ev['point']}:{ev['action']}"] += 1
+    for ev in hook_events(events_dir):
+        b.hook_hits[f"{ev['point']}:{ev['action']}"] += 1
     b.table = table(inj, b.outcomes)
     return b
 

@@ -59,6 +59,18 @@ class FaultEvent:
     outcomes: list[Outcome] = field(default_factory=list)
 
 
+def hook_events(events: Path) -> list[dict[str, Any]]:
+    """Every hook hit the processes wrote so far (connectors/transfer/faults.py: one JSON
+    line per hit under ``events``); a line still being written is skipped."""
+    out: list[dict[str, Any]] = []
+    for f in sorted(events.glob("*.jsonl")) if events.exists() else []:
+        with contextlib.suppress(OSError):
+            for ln in f.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(ln))
+    return out
+
+
 class Plan:
     """The fault plan file: rules on now, rewritten atomically."""
 
@@ -287,12 +299,6 @@ class Injector:
                      f"turn 2 reuse_reason={reuse!r}")
 
     def _hits(self, point: str, tags: list[str]) -> int:
-        """Hook hits at `point` so far in the processes tagged `tags` (faults.py's events)."""
-        n = 0
-        for f in self.plan.events.glob("*.jsonl") if self.plan.events.exists() else []:
-            with contextlib.suppress(OSError):
-                for ln in f.read_text().splitlines():
-                    with contextlib.suppress(ValueError):
-                        ev = json.loads(ln)
-                        n += ev.get("point") == point and ev.get("tag") in tags
-        return n
+        """Hook hits at `point` so far in the processes tagged `tags`."""
+        return sum(e.get("point") == point and e.get("tag") in tags
+                   for e in hook_events(self.plan.events))

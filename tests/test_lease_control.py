@@ -172,17 +172,24 @@ def test_round_trips_through_control_server(served):
     asyncio.run(go())
 
 
+def checked(port: int, lease_id: str, timeout_s: float = 2.0) -> tuple[bool, str | None]:
+    check = lc.LeaseCheck("127.0.0.1", port, lease_id)
+    try:
+        return check.poll(timeout_s)
+    finally:
+        check.close()
+
+
 def test_p_asks_whether_a_lease_still_holds_before_reading(served):
-    """P's check before a reuse READ (`lease_holds`): D may have released the lease early
+    """P's check before a reuse READ (`LeaseCheck`): D may have released the lease early
     (memory pressure) while the router still holds its offer."""
     k, port = served
-    assert lc.lease_holds("127.0.0.1", port, "L1", 2.0) is None
+    assert checked(port, "L1") == (True, None)
     assert k.relieve(1, 100, 0, 0.05) == ["L1"]  # pressure: 1 + L1's 4 blocks cover 5
-    assert lc.lease_holds("127.0.0.1", port, "L1", 2.0) == "released"
-    assert lc.lease_holds("127.0.0.1", port, "L2", 2.0) is None
-    assert lc.lease_holds("127.0.0.1", port, "nope", 2.0) == "unknown"
-    why = lc.lease_holds("127.0.0.1", free_port(), "L2", 0.2)  # nobody listens
-    assert why is not None and why.startswith("lease control unreachable")
+    assert checked(port, "L1") == (True, "released")
+    assert checked(port, "L2") == (True, None)
+    assert checked(port, "nope") == (True, "unknown")
+    assert checked(free_port(), "L2", 0.2) == (False, None)  # nobody listens: no answer
 
 
 def test_ps_check_keeps_the_blocks_a_grace_the_routers_lookup_does_not():
@@ -217,7 +224,6 @@ def test_lease_check_never_blocks_the_thread_that_polls_it():
         assert check.poll(5.0) == (True, "released")
     finally:
         slow.close()
-    assert lc.LeaseCheck("127.0.0.1", free_port(), "L1").poll(0.2) == (False, None)
 
 
 def test_server_survives_garbage(served):

@@ -189,36 +189,28 @@ def test_info_on_unknown_expired_released():
 
 
 # -- frees ---------------------------------------------------------------------------------------
-def test_release_frees_at_once_when_no_read_was_allowed():
-    c = Clock()
-    k = keeper(c)
-    grant(k, req="r1")
-    c.t += 10
-    k.release("L1")  # P never asked "held?": no READ can be running
-    assert k.num_blocks == 0
-    assert k.due_frees() == ["r1"]
-    c.t += 10
-    assert k.due_frees() == []  # reported once
-    assert reason(lambda: k.release("L1")) == "released"
-
-
-def test_release_frees_a_grace_after_the_last_held_answer():
+@pytest.mark.parametrize("p_checked", [False, True], ids=["no-read", "read-allowed"])
+def test_release_frees_at_once_or_a_grace_after_the_last_held_answer(p_checked):
+    """No P was told the lease held: no READ can run, the blocks go at once. One was: they
+    wait out that READ, a grace after the answer."""
     c = Clock()
     k = keeper(c)
     grant(k, req="r1")
     c.t += 10
     held = c.t
-    assert parse_lease(k.info("L1", for_read=True)).lease_id == "L1"  # P may READ till
-    # held + its READ timeout
+    if p_checked:  # P may READ until held + its READ timeout
+        assert parse_lease(k.info("L1", for_read=True)).lease_id == "L1"
     c.t += 1
     k.release("L1")
-    assert k.num_blocks == 0  # no longer leased, but the blocks wait out that READ
-    c.t = held + GRACE - 0.01
-    assert k.due_frees() == []
-    c.t = held + GRACE
+    assert k.num_blocks == 0  # no longer leased either way
+    if p_checked:
+        c.t = held + GRACE - 0.01
+        assert k.due_frees() == []
+        c.t = held + GRACE
     assert k.due_frees() == ["r1"]
     c.t += 10
     assert k.due_frees() == []  # reported once
+    assert reason(lambda: k.release("L1")) == "released"
 
 
 def test_the_routers_lookup_is_no_read_and_does_not_delay_the_free():

@@ -83,16 +83,6 @@ class LeaseCheck:
             self._pending = None
 
 
-def lease_holds(host: str, port: int, lease_id: str, timeout_s: float) -> str | None:
-    """`LeaseCheck`, waited for: None if D still holds the lease, else why not."""
-    check = LeaseCheck(host, port, lease_id)
-    try:
-        answered, why = check.poll(timeout_s)
-    finally:
-        check.close()
-    return why if answered else f"lease control unreachable: no lease check within {timeout_s}s"
-
-
 class ControlServer(ReplyServer):
     """Serves `handle` for one keeper from a daemon thread."""
 
