@@ -64,6 +64,13 @@ class ConnectorConfig(BaseModel):
     # finished on the device (a fence recorded in wait_for_save), not a step later when
     # the scheduler has processed its output. Backends without a fence (neuron) ignore it.
     early_push: bool = True
+    # Push, P (with early_push): WRITE each layer's KV of a prompt's last chunk as soon as
+    # that layer is computed (vLLM's save_kv_layer, a fence per layer), so the copy
+    # overlaps the rest of the forward; D still starts only after every layer arrived (one
+    # Wrote notification once all layers' WRITEs are complete and the engine step after
+    # the forward has begun). Needs per-layer KV planes: cross_layer_blocks false on both
+    # engines where vLLM would otherwise merge the layers (CUDA); CPU KV is per layer.
+    layerwise_push: bool = False
     # Ask vLLM for KV blocks that hold all layers (where the attention backend allows
     # it): a run of blocks is then one descriptor, not one per layer. vLLM 0.21-0.26: one
     # cross-layer tensor (prefer_cross_layer_blocks, V1 model runner); 0.32+ on CUDA: the

@@ -1,6 +1,11 @@
 """Push end to end on real vLLM CPU engines: D registers its blocks while P computes, P
 WRITEs them from its transfer thread. Both orders of {registration, prefill done} are
 forced deterministically; failures end in a local recompute with blocks freed.
+
+These engines run layer-wise push (``layerwise_push``): a registration that reaches P
+before the prompt's last chunk is written layer by layer from vLLM's save_kv_layer; one
+that comes later takes the whole-request WRITE. Whole-request early push on real engines
+is the default everywhere else (2P2D, the router, chaos, reuse).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from kvferry.scripts.procs import stop_all, wait_healthy
 pytestmark = pytest.mark.engine
 
 EXTRA = {"push_hold_timeout_s": 8, "push_register_timeout_s": 8, "push_recv_timeout_s": 20,
-         "push_quarantine_s": 1, "handshake_timeout_s": 3}
+         "push_quarantine_s": 1, "handshake_timeout_s": 3, "layerwise_push": True}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +78,7 @@ def test_registration_first(stack, n):
     want = complete(stack.prefill.url, stack.model, toks)
     tid, p, d = legs(stack)
     reads = stack.decode.reads()
+    before = stack.prefill.stats()
     out: dict = {}
     th = run_d(stack, toks, d, out)
     registered(stack, tid)  # D registered before P computed
@@ -81,6 +87,11 @@ def test_registration_first(stack, n):
     assert_same_output(out["resp"], want)
     assert writes(stack, tid) == 1
     assert stack.decode.reads() == reads, "push must not fall back to pull"
+    # Registered before the last chunk began: written layer by layer (4 layers; how many
+    # went before the CPU forward returned depends on the GIL, so only the path is asserted).
+    after = stack.prefill.stats()
+    assert after["layered_writes"] - before["layered_writes"] == 1
+    assert after["layer_batches"] > before["layer_batches"]
     # Pull of the same prompt loads the same KV: D's outputs must agree to the bit.
     pulled = complete(stack.router, stack.model, toks)
     assert_same_output(out["resp"], pulled, first=4, tol=0.0)
@@ -90,11 +101,14 @@ def test_prefill_first(stack):
     toks = prompt(900, 3)
     want = complete(stack.prefill.url, stack.model, toks)
     tid, p, d = legs(stack)
+    before = stack.prefill.stats()
     complete(stack.prefill.url, stack.model, toks, max_tokens=1, kv_transfer_params=p)
     assert writes(stack, tid, 0) == 0  # P holds its blocks, waiting for D
     got = complete(stack.decode.url, stack.model, toks, kv_transfer_params=d)
     assert_same_output(got, want)
     assert writes(stack, tid) == 1
+    # Registered after the forward: one whole-request WRITE.
+    assert stack.prefill.stats()["layered_writes"] == before["layered_writes"]
     wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITE")
 
 

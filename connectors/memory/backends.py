@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -64,6 +64,10 @@ class KVLayout:
     planes: tuple[Plane, ...]
     num_blocks: int
     block_size: int  # tokens per block
+    # Plane indices of each model layer, in layer order (KV cache dict order); empty when
+    # unknown or when one plane holds every layer (cross-layer blocks). Local only, not
+    # on the wire: layer-wise push posts one layer's planes as soon as it is computed.
+    layers: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
 
     def signature(self) -> tuple[int, tuple[tuple[int, str], ...]]:
         """What two peers must share for a block-for-block copy."""
@@ -212,6 +216,7 @@ class TorchMemoryBackend(MemoryBackend):
         regions: list[Region] = []
         region_of: dict[int, int] = {}
         planes: list[Plane] = []
+        layers: list[tuple[int, ...]] = []
         for name, t in kv_caches.items():
             self._check_device(name, t)
             storage = t.untyped_storage()
@@ -233,8 +238,11 @@ class TorchMemoryBackend(MemoryBackend):
                 raise ValueError(f"{name}: block dimension ambiguous in {tuple(t.shape)} "
                                  f"(num_blocks={num_blocks} equals the K/V axis)")
             hd = order.index(heads_dim) if heads_dim is not None else None
+            first = len(planes)
             planes += planes_of_array(region_of[key], t.data_ptr(), shape, strides, es, dims[0], hd)
-        return KVLayout(tuple(regions), tuple(planes), num_blocks, block_size)
+            layers.append(tuple(range(first, len(planes))))
+        return KVLayout(tuple(regions), tuple(planes), num_blocks, block_size,
+                        tuple(layers) if len(layers) > 1 else ())
 
     def _check_device(self, name: str, t: Any) -> None:
         want = "cpu" if self.mem_type == DRAM else "cuda"

@@ -25,13 +25,19 @@ PUSH_EVENTS = (
     "last_chunk_scheduled",  # P scheduler (early push): the prompt's last chunk planned
     "forward_done",   # P transfer thread (early push): that forward's fence passed
     "prefill_end",    # P scheduler: the prefill's last step was processed
-    "write_start",    # P transfer thread: WRITE posted
+    "write_start",    # P transfer thread: WRITE posted (layer-wise: matched, posting begins)
     "p_answered",     # router: P's HTTP answer arrived
     "write_done",     # P transfer thread: WRITE complete
     "kv_in",          # D transfer thread: P's Wrote notification arrived
     "kv_seen",        # D scheduler: the request's KV reported received
     "scheduled",      # D scheduler: the request scheduled for its first token
     "d_first_byte",   # router: D's first streamed chunk
+)
+
+# Layer-wise push (transfer/layer_push.py), between write_start and write_done.
+LAYER_EVENTS = (
+    "first_layer_posted",  # P transfer thread: the first layers' WRITE posted
+    "last_layer_posted",   # P transfer thread: every layer posted
 )
 
 _LINE = re.compile(r"kvferry-timeline (\S+) (\S+) ([\d.]+)")
@@ -59,7 +65,9 @@ def summarize(marks: dict[str, dict[str, float]], events: Sequence[str] = PUSH_E
     out: dict[str, float] = {}
     pairs = list(zip(events, events[1:], strict=False)) + [
         ("p_answered", "d_first_byte"), ("prefill_end", "kv_in"), ("forward_done", "write_start"),
-        ("forward_done", "kv_in")]
+        ("forward_done", "kv_in"), ("last_chunk_scheduled", "first_layer_posted"),
+        ("first_layer_posted", "last_layer_posted"), ("last_layer_posted", "forward_done"),
+        ("forward_done", "write_done"), ("kv_in", "scheduled")]
     for a, b in pairs:
         gaps = [(m[b] - m[a]) * 1e3 for m in marks.values() if a in m and b in m]
         if gaps:

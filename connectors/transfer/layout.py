@@ -75,13 +75,26 @@ def _check_ids(layout: KVLayout, ids: Sequence[int], side: str) -> None:
             raise IndexError(f"{side} block id {b} outside [0, {layout.num_blocks})")
 
 
+def _plane_pairs(local: KVLayout, remote: KVLayout, planes: Sequence[int] | None):
+    """(local plane, remote plane) pairs, all of them or only the indices ``planes`` (one
+    model layer's, for a layer-wise WRITE)."""
+    pairs = list(zip(local.planes, remote.planes, strict=True))
+    if planes is None:
+        return pairs
+    for i in planes:
+        if not 0 <= i < len(pairs):
+            raise IndexError(f"plane {i} outside [0, {len(pairs)})")
+    return [pairs[i] for i in planes]
+
+
 def descriptors(
     local: KVLayout, remote: KVLayout, local_ids: Sequence[int], remote_ids: Sequence[int],
-    merge: bool = True,
+    merge: bool = True, planes: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Nx3 (addr, len, dev) arrays for both sides, same order, runs merged per plane.
 
-    ``merge=False`` keeps one descriptor per block (only to measure what merging buys).
+    ``merge=False`` keeps one descriptor per block (only to measure what merging buys);
+    ``planes``: only these plane indices (default all).
     """
     check_compatible(local, remote)
     _check_ids(local, local_ids, "local")
@@ -90,7 +103,7 @@ def descriptors(
                                                                                strict=True)]
     loc: list[tuple[int, int, int]] = []
     rem: list[tuple[int, int, int]] = []
-    for lp, rp in zip(local.planes, remote.planes, strict=True):
+    for lp, rp in _plane_pairs(local, remote, planes):
         ldev = local.regions[lp.region].device_id
         rdev = remote.regions[rp.region].device_id
         dense = lp.stride == lp.block_bytes and rp.stride == rp.block_bytes
@@ -107,7 +120,7 @@ def descriptors(
 
 def head_descriptors(
     local: KVLayout, remote: KVLayout, local_ids: Sequence[int], remote_ids: Sequence[int],
-    seg: Segment, local_is_source: bool,
+    seg: Segment, local_is_source: bool, planes: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Like `descriptors`, for one segment of heads between peers of different TP sizes
     (tp_map.plan, whose "P" side is the source: the side whose heads are copied; in a
@@ -124,7 +137,7 @@ def head_descriptors(
     lb = np.asarray(local_ids, dtype=np.int64)
     rb = np.asarray(remote_ids, dtype=np.int64)
     cols: list[tuple[np.ndarray, ...]] = []  # (local addr, remote addr, len, ldev, rdev)
-    for lp, rp in zip(local.planes, remote.planes, strict=True):
+    for lp, rp in _plane_pairs(local, remote, planes):
         la, ra = HeadAxis(*lp.heads), HeadAxis(*rp.heads)
         pa, da = (la, ra) if local_is_source else (ra, la)
         pieces = np.array([(p, d, n) if local_is_source else (d, p, n)

@@ -7,7 +7,10 @@ registration will not be served.
 
 Early push: a prompt's WRITE may start once the forward that computed its last tokens
 is complete on the device (`Ready`: a fence, and a later engine step begun, whose
-metadata would have said the request was preempted).
+metadata would have said the request was preempted). Layer-wise push (layer_push.py):
+the prefill is handed to the matcher when its last chunk's step begins, and a WRITE
+matched before that step's `Gate` opens is posted layer by layer as the forward goes,
+D told once every layer is complete and the gate opened.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.protocol import messages, timeline
@@ -30,6 +32,7 @@ from kvferry.connectors.protocol.push_match import (
     StartWrite,
 )
 from kvferry.connectors.protocol.step import PushSend, StepMeta
+from kvferry.connectors.transfer.layer_push import Fences, Gate, LayeredWrite, LayerFence, Ready
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
 from kvferry.connectors.transfer.transport import Transfer, XferState
 
@@ -49,23 +52,12 @@ class _PReq:
 
 
 @dataclass
-class Ready:
-    """Early push: prompts completed by engine step ``step``, once ``fence`` passes."""
-
-    items: list[PushSend]
-    fence: Any  # .query() -> bool, or None (already complete)
-    step: int
-
-    def done(self, steps_begun: int) -> bool:
-        return steps_begun > self.step and (self.fence is None or bool(self.fence.query()))
-
-
-@dataclass
 class _Write:
     xfers: list[Transfer]  # one per D rank written (several when D's TP size is smaller)
     deadline: float
     started: float
     ended_at: float  # wall clock of the prefill's end (0: unknown)
+    layered: LayeredWrite | None = None  # posted layer by layer, D told on commit
 
 
 class PushWrite(RankPart):
@@ -91,10 +83,18 @@ class PushWrite(RankPart):
         self._ready: dict[str, tuple[PushSend, Ready]] = {}
         self._unfinished: set[str] = set()
         self._deferred: set[str] = set()
+        # Layer-wise push: prompts whose last chunk is being computed (request id -> gate)
+        # and the layer fences of those steps. Needs the layout's planes per layer, and
+        # UCX, whose transfers complete only once flushed to the target (the Wrote
+        # notification goes out after them, on its own).
+        self.layerwise = (cfg.layerwise_push and len(layout.layers) > 1
+                          and set(self.transport.backends) == {"UCX"})
+        self._gates: dict[str, Gate] = {}
+        self._fences = Fences()
 
     def busy(self) -> bool:
         """A WRITE in flight, or a forward whose prompts may be written once it is done."""
-        return bool(self._writes or self._ready)
+        return bool(self._writes or self._ready or self._gates)
 
     def awaiting(self) -> bool:
         """A registration is expected (or a transfer is under way)."""
@@ -103,7 +103,8 @@ class PushWrite(RankPart):
     @property
     def num_tracked(self) -> int:
         """Transfers this rank holds any state for (0: nothing left behind)."""
-        return len(self._p) + len(self._writes) + len(self._ready) + len(self._deferred)
+        return (len(self._p) + len(self._writes) + len(self._ready) + len(self._deferred)
+                + len(self._gates) + len(self._fences))
 
     @property
     def num_unfinished(self) -> int:
@@ -112,7 +113,15 @@ class PushWrite(RankPart):
 
     def ready(self, r: Ready) -> None:
         for s in r.items:
-            self._ready[s.req_id] = (s, r)
+            if (g := self._gates.get(s.req_id)) is not None and g.step == r.step:
+                g.ready = r  # layer-wise: the gate opens once this forward is done
+            else:
+                self._ready[s.req_id] = (s, r)
+
+    def layer_fence(self, f: LayerFence) -> None:
+        """Layer-wise push: a layer of step ``f.step`` is written once ``f.fence`` passes."""
+        if any(g.step == f.step for g in self._gates.values()):
+            self._fences.add(f)
 
     def _release_ready(self, now: float) -> None:
         """Early push: hand the matcher every prompt whose forward is complete."""
@@ -127,13 +136,46 @@ class PushWrite(RankPart):
                 self._unfinished.add(req_id)
                 self._prefill_done(s, now)
 
+    def _open_gates(self, now: float) -> None:
+        """Layer-wise push: open the gates whose forward is done and a later step began,
+        once the metadata queued so far was read (a preemption there closes the gate for
+        good: `accept`). A gate whose forward never reported (an engine that failed
+        mid-step) is dropped after recv_timeout_s; its WRITE, if any, times out then too."""
+        steps = self._steps()
+        if any(g.may_open(steps) for g in self._gates.values()):
+            self._drain()
+        for req_id, g in list(self._gates.items()):
+            if g.may_open(steps):
+                del self._gates[req_id]
+                g.opened = True
+                timeline.mark(log, g.item.transfer_id, "forward_done")
+            elif now - g.since >= self.recv_timeout_s:
+                del self._gates[req_id]
+
+    def _forget_fences(self) -> None:
+        """Keep the layer fences of steps a gate or an unposted layer still needs."""
+        self._fences.keep_only({g.step for g in self._gates.values()}
+                               | {w.layered.gate.step for w in self._writes.values()
+                                  if w.layered is not None and w.layered.pending})
+
     # -- from the engine's step metadata -------------------------------------------------
-    def accept(self, meta: StepMeta, now: float) -> None:
+    def accept(self, meta: StepMeta, now: float, step: int = 0) -> None:
+        """A step's metadata; ``step``: the engine step it belongs to (layer-wise push
+        pairs the prompts it completes with that step's layer fences)."""
         for tid, req_id in meta.push_preempted:
-            # vLLM freed the blocks (the gate in _release_ready kept any WRITE off them):
+            # vLLM freed the blocks (the gates kept D from using any WRITE off them):
             # nothing to report freed; D is rejected and recomputes.
             self._ready.pop(req_id, None)
-            self._run(self.matcher.abort(tid, now, owner=req_id))
+            self._gates.pop(req_id, None)
+            wr = self._writes.get(tid)
+            if wr is not None and wr.layered is not None and wr.layered.gate.item.req_id == req_id:
+                del self._writes[tid]
+                for x in wr.xfers:
+                    self.transport.release(x)
+                self.stats.event("writes_failed", tid, "preempted")
+                self._run(self.matcher.write_failed(tid, "preempted on P", now))
+            else:
+                self._run(self.matcher.abort(tid, now, owner=req_id))
         for s in meta.push_send:
             self._ready.pop(s.req_id, None)  # not yet released: the normal path now
             self._finished(s.req_id)
@@ -143,6 +185,11 @@ class PushWrite(RankPart):
                 self.out.report(sent={req_id})  # held for a WRITE that never started
             self._finished(req_id)
             self._run(self.matcher.abort(tid, now, owner=req_id))
+        if self.layerwise:
+            for s in meta.push_ready:  # this step computes their last chunk
+                self._gates[s.req_id] = Gate(s, step, now)
+                self._unfinished.add(s.req_id)
+                self._prefill_done(s, now)
 
     def _prefill_done(self, s: PushSend, now: float) -> None:
         p = self._p.setdefault(s.transfer_id, _PReq())
@@ -211,6 +258,16 @@ class PushWrite(RankPart):
             targets = self.ranks.write_ranks(reg.tp_size, reg.rank)
             self.mirror.stage_out(a.src_block_ids)  # host staging: the WRITE reads our mirror
             note = messages.encode(messages.Wrote(a.transfer_id, self.ranks.rank))
+            if (g := self._gates.get(a.owner)) is not None:  # the forward is still running
+                targets = [(self.peers.at(reg.host, reg.port, reg.engine_id, d)[1],
+                            self.ranks.write_segments(reg.tp_size, d)) for d in targets]
+                lw = LayeredWrite(g, targets, a.src_block_ids, a.dest_block_ids[0], note,
+                                  pending=list(range(len(self.transport.layout.layers))))
+                started = time.monotonic()
+                timeline.mark(log, a.transfer_id, "write_start")
+                self._writes[a.transfer_id] = _Write([], started + self.recv_timeout_s, started,
+                                                     p.ended_at, lw)
+                return
             xfers: list[Transfer] = []
             try:
                 for d in targets:  # one WRITE per D rank, its notification after its data
@@ -262,14 +319,48 @@ class PushWrite(RankPart):
         self._forget_if_ended(msg.transfer_id)
 
     # -- polling --------------------------------------------------------------------------
+    def _post_layers(self, tid: str, wr: _Write, now: float) -> bool:
+        """Layer-wise: post the layers written by now; True once D may be told when the
+        transfers are complete. A failed post fails the WRITE (False, the write gone)."""
+        lw = wr.layered
+        assert lw is not None
+        try:
+            wr.xfers += lw.post(self.transport, self._fences)
+        except Exception as e:
+            del self._writes[tid]
+            for x in wr.xfers:
+                self.transport.release(x)
+            log.warning("push %s: layer WRITE not posted: %s", tid, e)
+            self.stats.event("writes_failed", tid, f"not posted: {e}")
+            self._run(self.matcher.write_failed(tid, str(e), now))
+            return False
+        return lw.committable()
+
     def progress(self, now: float) -> None:
         if self._ready:
             self._release_ready(now)
+        if self._gates:
+            self._open_gates(now)
         for tid, wr in list(self._writes.items()):
+            if tid not in self._writes:  # failed by a preemption read while opening gates
+                continue
+            if wr.layered is not None and not self._post_layers(tid, wr, now):
+                if tid in self._writes and now >= wr.deadline:
+                    del self._writes[tid]
+                    for x in wr.xfers:
+                        self.transport.release(x)
+                    self.stats.event("writes_failed", tid, "timed out")
+                    self._run(self.matcher.write_failed(tid, "timed out", now))
+                continue
             state = self.transport.poll_all(wr.xfers)
             if state == XferState.PROC and now < wr.deadline:
                 continue
             del self._writes[tid]
+            if state == XferState.DONE and wr.layered is not None:
+                wr.layered.commit(self.transport)  # every layer landed: tell D
+                self.stats.add("layered_writes")
+                self.stats.add("layers_posted_early", wr.layered.posted_early)
+                self.stats.add("layer_batches", wr.layered.batches)
             if state == XferState.DONE:
                 timeline.mark(log, tid, "write_done")
                 after = (time.time() - wr.ended_at) * 1e3 if wr.ended_at else float("nan")
@@ -286,6 +377,8 @@ class PushWrite(RankPart):
                 why = "timed out" if state == XferState.PROC else "error"
                 self.stats.event("writes_failed", tid, why)
                 self._run(self.matcher.write_failed(tid, why, now))
+        if len(self._fences):
+            self._forget_fences()
         if now - self._last_tick >= TICK_S:
             self._last_tick = now
             self._run(self.matcher.tick(now))

@@ -25,6 +25,9 @@ COUNTERS = (
     "writes_done",  # P: push WRITEs into D's blocks (one per P rank and transfer)
     "writes_failed",
     "bytes_written",
+    "layered_writes",  # P: push WRITEs posted layer by layer (layerwise_push), completed
+    "layers_posted_early",  # P: ... their layers posted before the whole forward was done
+    "layer_batches",  # P: ... WRITE batches posted for them (one per poll with new layers)
     "registrations",  # P: signed push registrations received from D
     "registrations_forged",  # P: unsigned or forged registrations ignored
     "rejections",  # P: registrations refused (D recomputes)

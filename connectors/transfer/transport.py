@@ -251,7 +251,8 @@ class Transport:
     # -- transfers -----------------------------------------------------------------------
     def start(self, op: str, peer: Peer, local_ids: Sequence[int], remote_ids: Sequence[int],
               notif: bytes = b"", merge: bool = True, lanes: int = 1,
-              seg: tuple[Sequence[Segment], bool] | None = None) -> Transfer:
+              seg: tuple[Sequence[Segment], bool] | None = None,
+              planes: Sequence[int] | None = None) -> Transfer:
         """Post a READ (remote -> local) or WRITE (local -> remote) of whole blocks, or,
         with ``seg`` = (segments, local side is the source), of those segments of heads
         of each block (peers of different TP sizes, tp_map.plan), in one transfer.
@@ -259,14 +260,16 @@ class Transport:
         ``lanes`` > 1 splits a READ's descriptors into that many concurrently posted
         requests (more copy engines / streams in flight); its notification then goes out
         once all lanes are done. WRITEs keep one request so the notification is ordered
-        after the data by NIXL itself.
+        after the data by NIXL itself. ``planes``: only these plane indices (one model
+        layer's, for a layer-wise WRITE; default all).
         """
         if faults.ACTIVE: faults.fail("post")  # noqa: E701 (test-only hook, faults.py)
         if seg is None:
-            loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids, merge)
+            loc, rem = descriptors(self.layout, peer.layout, local_ids, remote_ids, merge,
+                                   planes)
         else:
-            parts = [head_descriptors(self.layout, peer.layout, local_ids, remote_ids, s, seg[1])
-                     for s in seg[0]]
+            parts = [head_descriptors(self.layout, peer.layout, local_ids, remote_ids, s, seg[1],
+                                      planes) for s in seg[0]]
             loc = np.concatenate([p[0] for p in parts]).reshape(-1, 3)
             rem = np.concatenate([p[1] for p in parts]).reshape(-1, 3)
         nbytes = int(loc[:, 1].sum()) if len(loc) else 0

@@ -30,6 +30,7 @@ from kvferry.connectors.protocol.params import PROTOCOL_VERSION
 from kvferry.connectors.protocol.step import PushSend, StepMeta
 from kvferry.connectors.protocol.tp_map import Ranks
 from kvferry.connectors.transfer.handshake import HandshakeServer
+from kvferry.connectors.transfer.layer_push import LayerFence
 from kvferry.connectors.transfer.mirror import Mirror, Staging
 from kvferry.connectors.transfer.peers import Peers
 from kvferry.connectors.transfer.push_recv import PushRecv
@@ -65,7 +66,7 @@ class TransferWorker:
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank,
                                        msgspec.to_builtins(hello))
         self._server.stats = self.stats
-        self._inbox: queue.Queue[StepMeta | Ready] = queue.Queue()
+        self._inbox: queue.Queue[tuple[StepMeta, int] | Ready | LayerFence] = queue.Queue()
         self.steps = 0  # engine steps begun (set by the engine thread)
         self.out = ResultBox()
         self.mirror = Mirror(staging, self.stats)
@@ -88,13 +89,23 @@ class TransferWorker:
         early push waits until the step after its forward has begun (the meta is queued
         first, so whatever that step says about the request is seen before the WRITE)."""
         if meta.has_work():
-            self._inbox.put(meta)
+            self._inbox.put((meta, step))
         self.steps = max(self.steps, step)
 
     def forward_done(self, items: Sequence[PushSend], fence: Any, step: int) -> None:
         """Early push, after step ``step``'s forward was enqueued: these prompts are
         complete once ``fence`` passes (None: already)."""
         self._inbox.put(Ready(list(items), fence, step))
+
+    @property
+    def layerwise(self) -> bool:
+        """Layer-wise push is on for this rank (config, per-layer planes, UCX)."""
+        return self.push_write.layerwise
+
+    def layer_done(self, layer: int, fence: Any, step: int) -> None:
+        """Layer-wise push, from save_kv_layer in step ``step``: that layer's KV is
+        written once ``fence`` passes (None: already)."""
+        self._inbox.put(LayerFence(step, layer, fence))
 
     def save(self, block_ids: Sequence[int]) -> None:
         """Engine thread, after the forward: copy these blocks device -> host mirror.
@@ -126,11 +137,13 @@ class TransferWorker:
                 log.exception("kvferry transfer thread")
                 self.stats.add("thread_errors")
 
-    def _take(self, item: StepMeta | Ready) -> None:
+    def _take(self, item: tuple[StepMeta, int] | Ready | LayerFence) -> None:
         if isinstance(item, Ready):
             self.push_write.ready(item)
+        elif isinstance(item, LayerFence):
+            self.push_write.layer_fence(item)
         else:
-            self._accept(item)
+            self._accept(*item)
 
     def _drain_inbox(self) -> None:
         """Act on everything queued so far."""
@@ -149,7 +162,7 @@ class TransferWorker:
             return self.cfg.notif_poll_s
         return IDLE_POLL_S
 
-    def _accept(self, meta: StepMeta) -> None:
+    def _accept(self, meta: StepMeta, step: int = 0) -> None:
         now = time.monotonic()
         self.sends.hold(meta.send, now)
         for task in meta.recv:
@@ -159,7 +172,7 @@ class TransferWorker:
         if meta.free:  # D: leases ended; vLLM frees these requests' blocks
             self.out.report(sent=set(meta.free))
         self.push_recv.accept(meta, now)
-        self.push_write.accept(meta, now)
+        self.push_write.accept(meta, now, step)
 
     def _progress(self) -> None:
         now = time.monotonic()

@@ -1,7 +1,8 @@
 """H200 x2 push-vs-pull benchmark driver: kvferry push, kvferry pull, the prefill engine
-serving alone (colocated), then vLLM's built-in NixlConnector (pull) and NixlPushConnector
-(push), the latter driven by the same router; same model shape, prompt lengths and rates;
-lines go to --out. Engines run with CUDA graphs unless --eager.
+serving alone (colocated), with --layerwise kvferry push written layer by layer (a second
+stack), then vLLM's built-in NixlConnector (pull) and NixlPushConnector (push), the latter
+driven by the same router; same model shape, prompt lengths and rates; lines go to --out.
+Engines run with CUDA graphs unless --eager.
 
     python tests/gpu/bench_pd.py --shape qwen3-0.6b --input-len 4096,16384 --qps 2,8 \
         --out $OUT/push_vs_pull-h200x2-DATE.jsonl
@@ -62,17 +63,28 @@ def bench(targets: list[str], args, experiment: str, raw: Path | None = None) ->
     subprocess.run(cmd, check=False, timeout=args.budget_s)
 
 
-def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> None:
+# Layer-wise push (issue #20): per-layer KV planes on both engines, so each layer's blocks
+# are runs of whole descriptors (cross-layer blocks hold every layer in one block).
+LAYERWISE = {"layerwise_push": True, "cross_layer_blocks": False}
+
+
+def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
+                layerwise: bool = False) -> None:
+    """One kvferry stack: push, pull and colocated; with ``layerwise`` a stack whose P
+    writes layer by layer, push only (``kvferry-push-layerwise``)."""
     t0 = time.monotonic()
-    raw = tmp / "raw.jsonl"
+    name = "layerwise" if layerwise else "whole"
+    raw = tmp / f"raw-{name}.jsonl"
     engine_means: list[dict] = []
     devices = ((0,), (0,)) if args.one_gpu else (None, None)
-    with pd_stack(model, tmp / "logs", backend=args.backend, engine_args=engine_args,
-                  devices=devices) as s:
-        print(f"kvferry stack up in {time.monotonic() - t0:.0f}s", flush=True)
-        targets = [f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
-                   f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
-                   f"colocated={s.prefill.url},impl=colocated,mode=colocated"]
+    with pd_stack(model, tmp / f"logs-{name}", backend=args.backend, engine_args=engine_args,
+                  devices=devices, extra=LAYERWISE if layerwise else None) as s:
+        print(f"kvferry stack ({name}) up in {time.monotonic() - t0:.0f}s", flush=True)
+        targets = ([f"kvferry-push-layerwise={s.router},impl=kvferry,mode=push_layerwise,"
+                    "x-kvferry-mode=push"] if layerwise else
+                   [f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
+                    f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
+                    f"colocated={s.prefill.url},impl=colocated,mode=colocated"])
         for qps in args.qps.split(","):
             for target in targets:
                 before = {e.role: scrape(e.url) for e in (s.prefill, s.decode)}
@@ -85,6 +97,10 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...]) -> No
         for e in (s.prefill, s.decode):
             lines = [ln for ln in e.log().splitlines() if "kvferry WRITE" in ln or "kvferry READ" in ln]
             print(e.role, len(lines), "transfers; last:", lines[-2:], flush=True)
+        st = s.prefill.stats()
+        print("P counters:", {k: st[k] for k in ("writes_done", "writes_failed", "layered_writes",
+                                                 "layers_posted_early", "layer_batches")},
+              flush=True)
         report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines])
     out = Path(args.out).with_suffix(".timeline.jsonl")
     meta = {"experiment": "push_timeline", "impl": "kvferry", "hardware": args.hardware,
@@ -183,6 +199,9 @@ def main() -> int:
     ap.add_argument("--backend", default="cuda", help="cpu: a local smoke run of this driver")
     ap.add_argument("--one-gpu", action="store_true",
                     help="P and D share GPU 0 (40 GiB of KV each): when one GPU is lent")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="then a second kvferry stack with layer-wise push (push only)")
+    ap.add_argument("--only-layerwise", action="store_true", help="only that stack")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
@@ -193,8 +212,10 @@ def main() -> int:
                        "--kv-cache-memory-bytes", str(40 << 30))
     if args.backend == "cpu":
         engine_args = ("--max-model-len", "4096", "--no-enable-prefix-caching")
-    if not args.only_vllm:
+    if not args.only_vllm and not args.only_layerwise:
         run_kvferry(args, model, tmp, engine_args)
+    if not args.only_vllm and (args.layerwise or args.only_layerwise):
+        run_kvferry(args, model, tmp, engine_args, layerwise=True)
     for mode in [] if args.skip_vllm else args.vllm_modes.split(","):
         t0 = time.monotonic()
         with pd_stack(model, tmp / f"logs-vllm-{mode}", connector="vllm-nixl", backend="cuda",
