@@ -112,8 +112,13 @@ class PointRun:
 
 
 def git_commit(start: Path | None = None) -> tuple[str | None, bool | None]:
-    """(HEAD, dirty) of the repo holding this package (or the cwd); else KVFERRY_COMMIT
-    (set where the tree travels without .git, e.g. the GPU machine); (None, None) if unknown."""
+    """KVFERRY_COMMIT when set (where the tree travels to another machine, e.g. the GPU
+    one, whose copy may carry a stale .git: two runs there recorded the HEAD of an earlier
+    call); else (HEAD, dirty) of the repo holding this package (or the cwd); (None, None)
+    if unknown."""
+    env = os.environ.get("KVFERRY_COMMIT")
+    if env:
+        return env, None
     for where in (start or Path(__file__).resolve().parents[1], Path.cwd()):
         try:
             head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], check=True,
@@ -124,8 +129,7 @@ def git_commit(start: Path | None = None) -> tuple[str | None, bool | None]:
             return head, bool(st.strip())
         except (OSError, subprocess.SubprocessError):
             continue
-    env = os.environ.get("KVFERRY_COMMIT")
-    return (env, None) if env else (None, None)
+    return None, None
 
 
 async def resolve_model(client: httpx.AsyncClient, target: Target, served: str | None) -> str | None:

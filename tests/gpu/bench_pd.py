@@ -30,6 +30,7 @@ from stack import pd_stack  # noqa: E402
 
 from kvferry.connectors.protocol import timeline  # noqa: E402
 from kvferry.scripts.bench import git_commit  # noqa: E402
+from kvferry.scripts.engines import shared_device_args  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
 
@@ -209,7 +210,7 @@ def main() -> int:
     args.hardware = "cpu" if args.backend == "cpu" else "h200x1" if args.one_gpu else "h200x2"
     if args.one_gpu:  # a fixed KV size: two engines profiling at once confuse vLLM's budget
         engine_args = ("--max-model-len", "20000", "--no-enable-prefix-caching",
-                       "--kv-cache-memory-bytes", str(40 << 30))
+                       *shared_device_args(40))  # the second engine's free-memory check too
     if args.backend == "cpu":
         engine_args = ("--max-model-len", "4096", "--no-enable-prefix-caching")
     if not args.only_vllm and not args.only_layerwise:
