@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import helpers_workers
 import numpy as np
@@ -22,6 +23,7 @@ from kvferry.connectors.protocol.step import StepMeta
 from kvferry.connectors.scheduling.scheduler import TransferScheduler
 from kvferry.connectors.transfer.layer_push import Fences, LayerFence
 from kvferry.connectors.transfer.layout import descriptors
+from kvferry.connectors.transfer.results import Results
 
 engines = helpers_workers.engines
 pytestmark = pytest.mark.timeout(60)
@@ -279,3 +281,106 @@ def test_a_gate_that_never_opens_times_out(engines) -> None:
     finish(p, True, 2)
     assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
     assert p.worker.push_write.num_tracked == 0
+
+
+# -- peers of different TP sizes: every P rank writes its heads, layer by layer -------------
+
+TP_HEADS, HD = 4, 8
+
+
+def _nhd(g: torch.Tensor, hs: list[int]) -> torch.Tensor:
+    """(N, H, BS, 2*HD) global KV -> one rank's NHD cache (2, N, BS, heads, HD)."""
+    return torch.stack(g[:, hs].permute(0, 2, 1, 3).split(HD, dim=3)).contiguous()
+
+
+class TpEngine:
+    """One engine of ``tp`` ranks, each a TransferWorker over two NHD layers."""
+
+    def __init__(self, role: str, tp: int, gs: list[torch.Tensor] | None, **cfg) -> None:
+        from helpers_http import free_port
+
+        from kvferry.connectors.config import ConnectorConfig
+        from kvferry.connectors.protocol.tp_map import heads_of
+        from kvferry.connectors.transfer.worker import TransferWorker
+
+        self.engine_id, self.port, self.tp = f"{role}-{uuid.uuid4().hex[:8]}", free_port(), tp
+        self.cfg = ConnectorConfig(side_channel_port=self.port, handshake_timeout_s=2.0,
+                                   recv_timeout_s=10.0, **cfg)
+        base = gs or [torch.zeros(N, TP_HEADS, BS, 2 * HD) for _ in range(2)]
+        self.kv = [{f"l{i}": _nhd(g, list(heads_of(r, tp, TP_HEADS))) for i, g in enumerate(base)}
+                   for r in range(tp)]
+        self.workers = [TransferWorker(self.cfg, self.engine_id, r,
+                                       CpuBackend().describe(self.kv[r], N, BS, 3),
+                                       tp_size=tp, num_heads=TP_HEADS) for r in range(tp)]
+        self.sched = TransferScheduler(self.engine_id, "127.0.0.1", self.port, BS, tp,
+                                       num_kv_heads=TP_HEADS, early_push=True)
+        self.acc = [Results() for _ in range(tp)]
+
+    def submit(self, meta: StepMeta, step: int = 0) -> None:
+        for w in self.workers:  # vLLM hands every rank the same metadata
+            w.submit(meta, step)
+
+    def wait(self, req: str, what: str, timeout: float = 15.0) -> list[Results]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for w, acc in zip(self.workers, self.acc, strict=True):
+                r = w.results()
+                acc.sent |= r.sent
+                acc.recvd |= r.recvd
+                acc.bad_blocks |= r.bad_blocks
+            if all(req in getattr(a, what) for a in self.acc):
+                break
+            time.sleep(0.005)
+        return self.acc
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_layers_go_to_every_d_rank_taking_our_heads(monkeypatch, p_tp: int, d_tp: int) -> None:
+    from kvferry.connectors.protocol.params import SECRET_ENV
+    from kvferry.connectors.protocol.tp_map import heads_of
+
+    monkeypatch.setenv(SECRET_ENV, "layer-tp-secret")
+    gen = torch.Generator().manual_seed(7)
+    gs = [torch.randn(N, TP_HEADS, BS, 2 * HD, generator=gen) for _ in range(2)]
+    p = TpEngine("P", p_tp, gs, layerwise_push=True)
+    d = TpEngine("D", d_tp, None)
+    try:
+        params = {"do_remote_prefill": True, "push": True, "transfer_id": "t1",
+                  "remote_host": "127.0.0.1", "remote_port": p.port}
+        count, is_async = d.sched.matched_tokens("d1", PROMPT, params, 0)
+        assert is_async
+        d.sched.after_alloc("d1", D_BLOCKS, count)
+        d.submit(d.sched.take_meta())
+        assert wait_for(lambda: all(w.stats.snapshot()["registrations"] >= 1 for w in p.workers))
+        p.sched.track_push_prefill("p1", PROMPT, PUSH, 1)
+        p.sched.after_alloc("p1", P_BLOCKS, 0, PUSH)
+        p.sched.plan_push({"p1": (0, len(PROMPT))}, {}, set())
+        meta = p.sched.take_meta()
+        p.submit(meta, 1)
+        for w in p.workers:  # each rank's own forward reports its layers
+            w.layer_done(0, None, 1)
+            w.layer_done(1, None, 1)
+        assert not any("d1" in a.recvd for a in d.wait("d1", "recvd", 0.3))  # gate closed
+        for w in p.workers:
+            w.forward_done(meta.push_ready, None, 1)
+        p.submit(StepMeta(), 2)
+        got = d.wait("d1", "recvd")
+        assert all(a.recvd == {"d1"} and not a.bad_blocks for a in got), got
+        for i, g in enumerate(gs):
+            want = torch.zeros_like(g)
+            want[D_BLOCKS] = g[P_BLOCKS]
+            for r in range(d_tp):
+                assert torch.equal(d.kv[r][f"l{i}"], _nhd(want, list(heads_of(r, d_tp, TP_HEADS))))
+        assert all(w.stats.snapshot()["layered_writes"] >= 1 for w in p.workers)
+        keep, _ = p.sched.finished("p1", True, P_BLOCKS, PUSH, PROMPT)
+        assert keep
+        p.submit(p.sched.take_meta(), 3)
+        assert all(a.sent == {"p1"} for a in p.wait("p1", "sent")), p.acc
+        assert all(w.push_write.num_tracked == 0 for w in p.workers)
+    finally:
+        p.close()
+        d.close()
