@@ -19,6 +19,7 @@ layout request -> block-major    --     --     --     yes    yes
 Scheduler's KV pool, waiting     yes    yes    yes    yes    yes
 request_finished's block_ids     all    all    comp.  comp.  comp.
 steps while P's blocks wait      no     yes    yes    yes    yes
+start_load_kv before forward     yes    yes    yes    --     --
 ==============================  =====  =====  =====  =====  =====
 
 - KV tensors: up to 0.26 each attention backend shapes its own tensor (its
@@ -43,6 +44,10 @@ steps while P's blocks wait      no     yes    yes    yes    yes
   reads its ``kv_cache_manager.block_pool`` (``get_num_free_blocks``,
   ``num_gpu_blocks``) and its ``waiting`` queue (``peek_request``) each step: all
   present, with these names, from 0.21 to 0.33.
+- Every version binds a step's connector metadata before its forward; 0.32+ call
+  ``start_load_kv`` only after the forward was launched (unless a load must precede it),
+  so the layer hooks (``save_kv_layer``) of a step run before its ``start_load_kv``: the
+  connector hands a step's metadata to its transfer thread in ``bind_connector_metadata``.
 - 0.21 and 0.24 pass all of a finished request's blocks (0.26+ only those holding
   computed tokens); D reads, and a lease keeps, only blocks of computed tokens.
 - 0.21's engine stops stepping when no request is queued or running, so P learns that

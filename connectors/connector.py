@@ -262,12 +262,21 @@ class KvferryConnector(KVConnectorBase_V1):
                      if attn_backend is not None else None)
         self.register_kv_caches({"all_layers": kv_cache}, heads_dim)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if isinstance(meta, KvferryMeta) and self._worker is not None:
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """A step begins: its metadata goes to the transfer thread now. Every version
+        binds it before the forward, while start_load_kv comes after the forward's launch
+        in 0.32+ (`compat`): too late for this step's layer hooks, whose fences the
+        transfer thread pairs with the step's prompts."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KvferryMeta) and self._worker is not None:
             self._step += 1
-            self._worker.submit(meta.step, self._step)
-            self._layer_push = bool(meta.step.push_ready) and self._worker.layerwise
+            self._worker.submit(connector_metadata.step, self._step)
+            self._layer_push = bool(connector_metadata.step.push_ready) and self._worker.layerwise
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Nothing: the step's READs were handed over with its metadata (bind), and they
+        run on the transfer thread, never in the forward's way."""
+        return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -287,6 +296,7 @@ class KvferryConnector(KVConnectorBase_V1):
         D READs one-sidedly. Early push, P: hand the prompts it completed to the transfer
         thread with a fence, so their WRITE starts when the device is done."""
         meta = self._connector_metadata
+        self._layer_push = False  # this step's layers are all reported
         if not isinstance(meta, KvferryMeta) or self._worker is None:
             return
         if meta.step.save:

@@ -92,6 +92,9 @@ def test_registration_first(stack, n):
     after = stack.prefill.stats()
     assert after["layered_writes"] - before["layered_writes"] == 1
     assert after["layer_batches"] > before["layer_batches"]
+    # vLLM 0.32's save_kv_layer reported each of the tiny model's 4 layers, once, in the
+    # step that computed the prompt's last chunk.
+    assert after["layer_fences"] - before["layer_fences"] == 4
     # Pull of the same prompt loads the same KV: D's outputs must agree to the bit.
     pulled = complete(stack.router, stack.model, toks)
     assert_same_output(out["resp"], pulled, first=4, tol=0.0)

@@ -122,6 +122,7 @@ class PushWrite(RankPart):
         """Layer-wise push: a layer of step ``f.step`` is written once ``f.fence`` passes."""
         if any(g.step == f.step for g in self._gates.values()):
             self._fences.add(f)
+            self.stats.add("layer_fences")
 
     def _release_ready(self, now: float) -> None:
         """Early push: hand the matcher every prompt whose forward is complete."""

@@ -28,6 +28,7 @@ COUNTERS = (
     "layered_writes",  # P: push WRITEs posted layer by layer (layerwise_push), completed
     "layers_posted_early",  # P: ... their layers posted before the whole forward was done
     "layer_batches",  # P: ... WRITE batches posted for them (one per poll with new layers)
+    "layer_fences",  # P: layers save_kv_layer reported in steps completing a push prompt
     "registrations",  # P: signed push registrations received from D
     "registrations_forged",  # P: unsigned or forged registrations ignored
     "rejections",  # P: registrations refused (D recomputes)
