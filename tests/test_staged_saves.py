@@ -180,13 +180,21 @@ def test_glue_puts_p_blocks_in_step_meta_and_wait_for_save_stages_them():
     assert isinstance(meta, KvferryMeta) and meta.step.save == [3, 9]
 
     saved: list[list[int]] = []
-    c._worker = SimpleNamespace(save=saved.append, close=lambda: None)
+    steps: list[int] = []
+    c._worker = worker_stub(saved.append, steps)
     c.bind_connector_metadata(meta)
     c.wait_for_save()
     c.bind_connector_metadata(KvferryMeta(StepMeta()))
     c.wait_for_save()  # nothing to stage: no call
     assert saved == [[3, 9]]
+    assert steps == [1, 2]  # each step's metadata reached the worker when it was bound
     c.shutdown()
+
+
+def worker_stub(save, steps: list[int]) -> SimpleNamespace:
+    """The TransferWorker surface the glue uses around a forward (no NIXL)."""
+    return SimpleNamespace(save=save, close=lambda: None, layerwise=False,
+                           submit=lambda meta, step: steps.append(step))
 
 
 def test_cpu_glue_is_unchanged():
@@ -195,7 +203,7 @@ def test_cpu_glue_is_unchanged():
                                SimpleNamespace(get_block_ids=lambda: ([3],)), 0)
     meta = c.build_connector_meta(None)  # scheduler_output is not even looked at
     assert meta.step.save == [] and c._sched.leases is not None
-    c._worker = SimpleNamespace(save=lambda ids: pytest.fail("no staging on cpu"), close=lambda: None)
+    c._worker = worker_stub(lambda ids: pytest.fail("no staging on cpu"), [])
     c.bind_connector_metadata(meta)
     c.wait_for_save()
     assert getattr(CpuBackend(), "staging", None) is None
