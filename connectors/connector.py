@@ -67,8 +67,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._control = None
         self._backend: Any = None  # worker side, once the KV caches are registered
         self._step = 0  # worker side: engine steps begun (early push waits for the next)
-        self._layer_index: dict[str, int] = {}  # layer-wise push: KV cache name -> layer
-        self._layer_push = False  # worker side: this step computes a push prompt's end
+        self._layer_index: dict[str, int] = {}  # layer-wise push on: KV cache name -> layer
         # Boot id: tells a restarted engine (same engine id, different blocks) apart.
         self.instance = str(getattr(vllm_config, "instance_id", "") or id(self))
         self._scheduler: Any = None  # the vLLM Scheduler (D's leases watch its free KV)
@@ -213,8 +212,6 @@ class KvferryConnector(KVConnectorBase_V1):
                 heads_dim = compat.kv_heads_dim(self._vllm_config, kv_caches)
         kv_caches, heads_dim = compat.block_major(kv_caches, heads_dim)  # 0.32+ block-major KV
         layout = backend.describe(kv_caches, n, self.block_size, heads_dim)
-        if layout.layers:  # planes per layer (not cross-layer blocks): layer-wise push can
-            self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         log.info("kvferry: %d KV caches like %s; %d blocks; KV heads at dim %s (%d here)",
                  len(kv_caches), kv_summary(next(iter(kv_caches.values()))), n, heads_dim,
                  layout.num_heads)
@@ -233,7 +230,9 @@ class KvferryConnector(KVConnectorBase_V1):
         # Neuron: a registration NIXL refuses moves on to the next mode (device, mapped
         # HBM, host staging); the others register once.
         self._worker = backend.register_with(layout, start)
-        if self.cfg.layerwise_push and not getattr(self._worker, "layerwise", False):
+        if self._worker.layerwise:
+            self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        elif self.cfg.layerwise_push:
             log.warning("kvferry: layerwise_push is set but off on this rank: it needs early "
                         "push on a backend with fences, KV planes per layer "
                         "(cross_layer_blocks: false) and NIXL's UCX backend only")
@@ -271,7 +270,6 @@ class KvferryConnector(KVConnectorBase_V1):
         if isinstance(connector_metadata, KvferryMeta) and self._worker is not None:
             self._step += 1
             self._worker.submit(connector_metadata.step, self._step)
-            self._layer_push = bool(connector_metadata.step.push_ready) and self._worker.layerwise
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing: the step's READs were handed over with its metadata (bind), and they
@@ -286,9 +284,10 @@ class KvferryConnector(KVConnectorBase_V1):
         layer's KV may be written as soon as this layer's kernels are done (a fence). A
         step replayed as one full CUDA graph calls no hook: its layers go when the whole
         forward's fence passes (wait_for_save), as without layer-wise push."""
-        if self._layer_push and (i := self._layer_index.get(layer_name)) is not None:
+        meta = self._connector_metadata
+        if (self._layer_index and isinstance(meta, KvferryMeta) and meta.step.push_ready
+                and (i := self._layer_index.get(layer_name)) is not None):
             self._worker.layer_done(i, self._backend.fence(), self._step)
-
 
     def wait_for_save(self) -> None:
         """After the forward. Host staging, P: copy the blocks it wrote to the host mirror
@@ -296,7 +295,6 @@ class KvferryConnector(KVConnectorBase_V1):
         D READs one-sidedly. Early push, P: hand the prompts it completed to the transfer
         thread with a fence, so their WRITE starts when the device is done."""
         meta = self._connector_metadata
-        self._layer_push = False  # this step's layers are all reported
         if not isinstance(meta, KvferryMeta) or self._worker is None:
             return
         if meta.step.save:

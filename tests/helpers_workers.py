@@ -130,6 +130,23 @@ def written(d: Engine, p: Engine, d_blocks: list[int], p_blocks: list[int]) -> b
                                                  blocks_of(p.kv, p_blocks), strict=True))
 
 
+def wait_ranks(workers: list[TransferWorker], accs: list[Results], req: str, what: str,
+               timeout: float) -> list[Results]:
+    """Accumulate each TP rank's results into ``accs`` until ``req`` is in every rank's
+    ``what`` (sent / recvd) or ``timeout`` passed; the accumulated results."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for w, acc in zip(workers, accs, strict=True):
+            r = w.results()
+            acc.sent |= r.sent
+            acc.recvd |= r.recvd
+            acc.bad_blocks |= r.bad_blocks
+        if all(req in getattr(a, what) for a in accs):
+            break
+        time.sleep(0.005)
+    return accs
+
+
 def settle(e: Engine, seconds: float = 0.5) -> Results:
     """What ``e`` reports within ``seconds`` (for checks that something did NOT happen)."""
     return e.collect(lambda r: False, seconds)

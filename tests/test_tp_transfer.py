@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers_http import free_port
 from helpers_lease import LEASE_ID, held_lease
+from helpers_workers import wait_ranks
 
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.memory.backends import CpuBackend
@@ -84,17 +85,7 @@ class Engine:
         self.submit(self.sched.take_meta())
 
     def wait(self, req: str, what: str, timeout: float = 20.0) -> list[Results]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for w, acc in zip(self.workers, self.acc, strict=True):
-                r = w.results()
-                acc.sent |= r.sent
-                acc.recvd |= r.recvd
-                acc.bad_blocks |= r.bad_blocks
-            if all(req in getattr(a, what) for a in self.acc):
-                break
-            time.sleep(0.005)
-        return self.acc
+        return wait_ranks(self.workers, self.acc, req, what, timeout)
 
     def close(self) -> None:
         for w in self.workers:

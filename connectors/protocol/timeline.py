@@ -34,12 +34,6 @@ PUSH_EVENTS = (
     "d_first_byte",   # router: D's first streamed chunk
 )
 
-# Layer-wise push (transfer/layer_push.py), between write_start and write_done.
-LAYER_EVENTS = (
-    "first_layer_posted",  # P transfer thread: the first layers' WRITE posted
-    "last_layer_posted",   # P transfer thread: every layer posted
-)
-
 _LINE = re.compile(r"kvferry-timeline (\S+) (\S+) ([\d.]+)")
 
 
@@ -65,7 +59,9 @@ def summarize(marks: dict[str, dict[str, float]], events: Sequence[str] = PUSH_E
     out: dict[str, float] = {}
     pairs = list(zip(events, events[1:], strict=False)) + [
         ("p_answered", "d_first_byte"), ("prefill_end", "kv_in"), ("forward_done", "write_start"),
-        ("forward_done", "kv_in"), ("last_chunk_scheduled", "first_layer_posted"),
+        ("forward_done", "kv_in"),
+        # layer-wise push (transfer/layer_push.py): P's first and last layer batch posted
+        ("last_chunk_scheduled", "first_layer_posted"),
         ("first_layer_posted", "last_layer_posted"), ("last_layer_posted", "forward_done"),
         ("forward_done", "write_done"), ("kv_in", "scheduled")]
     for a, b in pairs:

@@ -170,11 +170,7 @@ class PushWrite(RankPart):
             self._gates.pop(req_id, None)
             wr = self._writes.get(tid)
             if wr is not None and wr.layered is not None and wr.layered.gate.item.req_id == req_id:
-                del self._writes[tid]
-                for x in wr.xfers:
-                    self.transport.release(x)
-                self.stats.event("writes_failed", tid, "preempted")
-                self._run(self.matcher.write_failed(tid, "preempted on P", now))
+                self._fail_write(tid, wr, "preempted on P", now)
             else:
                 self._run(self.matcher.abort(tid, now, owner=req_id))
         for s in meta.push_send:
@@ -256,31 +252,27 @@ class PushWrite(RankPart):
                 raise RuntimeError("registration vanished")
             if reg.prompt_hash != p.prompt_hash:
                 raise ValueError("D registered a different prompt")
-            targets = self.ranks.write_ranks(reg.tp_size, reg.rank)
+            # (peer, head segments) of every D rank we write: one WRITE each
+            dests = [(self.peers.at(reg.host, reg.port, reg.engine_id, d)[1],
+                      self.ranks.write_segments(reg.tp_size, d))
+                     for d in self.ranks.write_ranks(reg.tp_size, reg.rank)]
             self.mirror.stage_out(a.src_block_ids)  # host staging: the WRITE reads our mirror
             note = messages.encode(messages.Wrote(a.transfer_id, self.ranks.rank))
-            if (g := self._gates.get(a.owner)) is not None:  # the forward is still running
-                targets = [(self.peers.at(reg.host, reg.port, reg.engine_id, d)[1],
-                            self.ranks.write_segments(reg.tp_size, d)) for d in targets]
-                lw = LayeredWrite(g, targets, a.src_block_ids, a.dest_block_ids[0], note,
-                                  pending=list(range(len(self.transport.layout.layers))))
-                started = time.monotonic()
-                timeline.mark(log, a.transfer_id, "write_start")
-                self._writes[a.transfer_id] = _Write([], started + self.recv_timeout_s, started,
-                                                     p.ended_at, lw)
-                return
             xfers: list[Transfer] = []
-            try:
-                for d in targets:  # one WRITE per D rank, its notification after its data
-                    _, peer = self.peers.at(reg.host, reg.port, reg.engine_id, d)
-                    segs = self.ranks.write_segments(reg.tp_size, d)
-                    xfers.append(self.transport.start("WRITE", peer, a.src_block_ids,
-                                                      a.dest_block_ids[0], note,
-                                                      seg=None if segs is None else (segs, True)))
-            except Exception:
-                for x in xfers:  # aborted by NIXL on release; nothing was reported to D
-                    self.transport.release(x)
-                raise
+            layered = None
+            if (g := self._gates.get(a.owner)) is not None:  # the forward is still running:
+                layered = LayeredWrite(g, dests, a.src_block_ids, a.dest_block_ids[0], note,
+                                       pending=list(range(len(self.transport.layout.layers))))
+            else:
+                try:
+                    for peer, segs in dests:  # its notification after its data
+                        xfers.append(self.transport.start(
+                            "WRITE", peer, a.src_block_ids, a.dest_block_ids[0], note,
+                            seg=None if segs is None else (segs, True)))
+                except Exception:
+                    for x in xfers:  # aborted by NIXL on release; nothing was reported to D
+                        self.transport.release(x)
+                    raise
         except Exception as e:
             log.warning("push %s: WRITE not started: %s", a.transfer_id, e)
             self.stats.event("writes_failed", a.transfer_id, f"not started: {e}")
@@ -289,7 +281,7 @@ class PushWrite(RankPart):
         started = time.monotonic()
         timeline.mark(log, a.transfer_id, "write_start")
         self._writes[a.transfer_id] = _Write(xfers, started + self.recv_timeout_s, started,
-                                             p.ended_at)
+                                             p.ended_at, layered)
 
     # -- from D ---------------------------------------------------------------------------
     def on_message(self, msg: messages.Register | messages.Abort, now: float) -> None:
@@ -320,22 +312,26 @@ class PushWrite(RankPart):
         self._forget_if_ended(msg.transfer_id)
 
     # -- polling --------------------------------------------------------------------------
+    def _fail_write(self, tid: str, wr: _Write, why: str, now: float) -> None:
+        """End a WRITE that did not complete: NIXL aborts what is in flight on release; the
+        matcher frees P's blocks (or defers it to the request's end) and rejects D."""
+        self._writes.pop(tid, None)
+        for x in wr.xfers:
+            self.transport.release(x)
+        self.stats.event("writes_failed", tid, why)
+        self._run(self.matcher.write_failed(tid, why, now))
+
     def _post_layers(self, tid: str, wr: _Write, now: float) -> bool:
-        """Layer-wise: post the layers written by now; True once D may be told when the
-        transfers are complete. A failed post fails the WRITE (False, the write gone)."""
-        lw = wr.layered
-        assert lw is not None
+        """Layer-wise: post the layers written by now. False if a post failed (the WRITE
+        is failed)."""
+        assert wr.layered is not None
         try:
-            wr.xfers += lw.post(self.transport, self._fences)
+            wr.xfers += wr.layered.post(self.transport, self._fences)
         except Exception as e:
-            del self._writes[tid]
-            for x in wr.xfers:
-                self.transport.release(x)
             log.warning("push %s: layer WRITE not posted: %s", tid, e)
-            self.stats.event("writes_failed", tid, f"not posted: {e}")
-            self._run(self.matcher.write_failed(tid, str(e), now))
+            self._fail_write(tid, wr, f"not posted: {e}", now)
             return False
-        return lw.committable()
+        return True
 
     def progress(self, now: float) -> None:
         if self._ready:
@@ -345,14 +341,13 @@ class PushWrite(RankPart):
         for tid, wr in list(self._writes.items()):
             if tid not in self._writes:  # failed by a preemption read while opening gates
                 continue
-            if wr.layered is not None and not self._post_layers(tid, wr, now):
-                if tid in self._writes and now >= wr.deadline:
-                    del self._writes[tid]
-                    for x in wr.xfers:
-                        self.transport.release(x)
-                    self.stats.event("writes_failed", tid, "timed out")
-                    self._run(self.matcher.write_failed(tid, "timed out", now))
-                continue
+            if wr.layered is not None:
+                if not self._post_layers(tid, wr, now):
+                    continue
+                if not wr.layered.committable():  # layers to post, or the gate closed
+                    if now >= wr.deadline:
+                        self._fail_write(tid, wr, "timed out", now)
+                    continue
             state = self.transport.poll_all(wr.xfers)
             if state == XferState.PROC and now < wr.deadline:
                 continue
@@ -373,11 +368,7 @@ class PushWrite(RankPart):
                 self.stats.add("bytes_written", sum(x.nbytes for x in wr.xfers))
                 self._run(self.matcher.write_done(tid, now))
             else:
-                for x in wr.xfers:
-                    self.transport.release(x)
-                why = "timed out" if state == XferState.PROC else "error"
-                self.stats.event("writes_failed", tid, why)
-                self._run(self.matcher.write_failed(tid, why, now))
+                self._fail_write(tid, wr, "timed out" if state == XferState.PROC else "error", now)
         if len(self._fences):
             self._forget_fences()
         if now - self._last_tick >= TICK_S:
