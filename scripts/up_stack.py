@@ -17,6 +17,7 @@ import typer
 
 from kvferry.connectors.protocol.params import SECRET_ENV, deployment_secret
 
+from .cpu_pin import restore_worker_binding
 from .demo import run_demo
 from .engines import (
     BACKENDS,
@@ -186,6 +187,11 @@ def up_stack(
         t0 = time.monotonic()
         wait_healthy(children, startup_timeout, on_ready=lambda c: typer.echo(
             f"{c.name} healthy after {time.monotonic() - t0:.0f}s"))
+        if connector == "vllm-nixl" and hardware_backend == "cpu":
+            for c in children[:2]:  # vLLM's NIXL worker moved its forward to the last core
+                for pid, was in restore_worker_binding(c).items():
+                    typer.echo(f"{c.name}: worker {pid} re-bound from cores {sorted(was)} to "
+                               f"{c.env['VLLM_CPU_OMP_THREADS_BIND']} (scripts/cpu_pin.py)")
         typer.echo(f"prefill  http://127.0.0.1:{prefill_port}\n"
                    f"decode   http://127.0.0.1:{decode_port}\n"
                    f"router   {router_url}  (OpenAI API: {router_url}/v1)")

@@ -28,6 +28,7 @@ from kvferry.connectors.transfer.stats import Snapshot
 from kvferry.router.app import create_app
 from kvferry.router.bodies import ENGINE_FIELDS
 from kvferry.router.settings import RouterSettings
+from kvferry.scripts.cpu_pin import restore_worker_binding
 from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env, vllm_engine_id
 from kvferry.scripts.procs import Child, stop_all, wait_healthy
 
@@ -187,6 +188,7 @@ class Engine:
     engine_id: str = ""  # the id vLLM's own NixlConnector engines run under
     tp: int = 1
     cfg: ConnectorConfig = field(default_factory=ConnectorConfig)  # kvferry's settings
+    rebound: dict[int, set[int]] = field(default_factory=dict)  # scripts/cpu_pin.py
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a Prometheus sample of this engine (0 if absent)."""
@@ -314,6 +316,9 @@ def pd_stack(model: str, logs: Path, connector: str = "kvferry",
         children = [p.child, d.child]
         stack.callback(stop_all, children)
         wait_healthy(children, STARTUP_S)
+        if connector == "vllm-nixl" and backend == "cpu":
+            for e in (p, d):  # vLLM's NIXL worker put both forwards on the last core
+                e.rebound = restore_worker_binding(e.child)
         vllm_push = connector == "vllm-nixl" and mode == "push"
         kv = [f"127.0.0.1:{p.side_port}"] if connector == "kvferry" or vllm_push else []
         ctl = [f"127.0.0.1:{d.control_port}"] if connector == "kvferry" else []
