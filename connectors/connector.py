@@ -177,6 +177,12 @@ class KvferryConnector(KVConnectorBase_V1):
         self._sched.worker_done(set(connector_output.finished_sending or ()),
                                 set(connector_output.finished_recving or ()),
                                 set(getattr(connector_output, "invalid_block_ids", None) or ()))
+        if timeline.ENABLED and self._sched.push.stepping and self._scheduler is not None:
+            self._sched.push.note_outputs(self._output_tokens)
+
+    def _output_tokens(self, req_id: str) -> int | None:
+        req = self._scheduler.requests.get(req_id)
+        return None if req is None else req.num_output_tokens
 
     def request_finished(self, request: Any, block_ids: Any):
         params = request.kv_transfer_params

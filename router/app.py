@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
@@ -131,6 +132,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
 
     async def handle(request: Request, endpoint: str, path: str) -> Response:
         ctx = holder["ctx"]
+        received = time.perf_counter()  # TTFT counts the body's parsing too
         try:
             body = bodies.decode(await request.body())
         except ValueError:
@@ -144,7 +146,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
             return _bad_request(str(exc))
         metrics.requests.labels(endpoint=endpoint, mode=mode).inc()
         try:
-            return await run_request(ctx, endpoint, path, body, request.headers, mode)
+            return await run_request(ctx, endpoint, path, body, request.headers, mode,
+                                     received)
         except RouterError as err:
             metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
             log.warning("request failed: %s", err.message)

@@ -69,15 +69,17 @@ async def run_request(
     body: dict[str, Any],
     client_headers: Any,
     mode: Mode,
+    started: float | None = None,
 ) -> Response:
     """Serve one completions/chat request through P and D; raises RouterError on failure.
+    ``started``: when the request arrived (perf_counter; default now).
 
     A request whose D took it and dropped the connection before answering (it died) is
     served afresh by another pair, up to `max_migrations` times: no byte has reached the
     client (this raises before any response exists), and the new pair gets a new prefill
     and transfer (P's first offer may have been read and freed already, so it is never
     handed to another D). A stream that breaks later continues mid-way (`migrate.py`)."""
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     turn = None
     if ctx.conversations is not None and ctx.settings.reuse_available:
         turn = await ctx.conversations.begin(body, client_headers)

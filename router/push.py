@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +148,9 @@ async def run_push(
         leg.ms = secs * 1000.0
         timeline.mark(TIMELINE, transfer_id, "p_answered")
 
+    if timeline.ENABLED:  # the request's arrival, on the wall clock the marks use
+        timeline.mark(TIMELINE, transfer_id, "router_in",
+                      time.time() - (time.perf_counter() - started))
     timeline.mark(TIMELINE, transfer_id, "dispatched")
     leg.task = asyncio.create_task(prefill_leg())
     ctx.background.add(leg.task)

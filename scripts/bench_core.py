@@ -23,6 +23,9 @@ from kvferry.router.wire import BODY_PREFILL_MS, HDR_PREFILL_MS, reuse_report
 MIN_TOKEN_ID = 10
 """Prompt token ids are drawn from [MIN_TOKEN_ID, vocab): low ids are often special tokens."""
 
+PERF_TO_UNIX = time.time() - time.perf_counter()
+"""perf_counter seconds + this = Unix time (records join the timeline marks by it)."""
+
 
 # --- targets -----------------------------------------------------------------------------
 
@@ -197,9 +200,13 @@ class Result:
         return max(0.0, (self.sent - self.scheduled) * 1e3)
 
     def record(self, t0: float) -> dict[str, Any]:
-        """Per-request JSON (for --raw)."""
+        """Per-request JSON (for --raw). ``sent_unix``/``first_unix``: the same instants on
+        the wall clock, which the engines' and router's timeline marks use (one host)."""
         def rel(t: float | None) -> float | None:
             return None if t is None else round((t - t0) * 1e3, 3)
+
+        def unix(t: float | None) -> float | None:
+            return None if t is None else round(t + PERF_TO_UNIX, 6)
         return {
             "target": self.target, "index": self.index, "turn": self.turn,
             "conversation": self.conversation, "prompt_len": self.prompt_len,
@@ -209,6 +216,7 @@ class Result:
             "n_tokens": self.n_tokens, "cached_tokens": self.cached_tokens,
             "reused_tokens": self.reused_tokens, "reuse_reason": self.reuse_reason,
             "status": self.status, "headers": self.headers, "error": self.error,
+            "sent_unix": unix(self.sent), "first_unix": unix(self.first),
         }
 
 

@@ -187,6 +187,9 @@ def test_stream_parser_tokens_usage_prefill_field_and_errors() -> None:
     assert r.prefill_ms == 12.5 and r.cached_tokens == 2 and r.ok
     assert r.ttft_ms == pytest.approx(1500) and r.tpot_ms == pytest.approx(250)
     assert r.handoff_ms == pytest.approx(1487.5)
+    rec = r.record(0.0)  # wall-clock instants, to join the timeline marks
+    assert (rec["first_unix"] - rec["sent_unix"]) * 1e3 == pytest.approx(r.ttft_ms)
+    assert abs(rec["sent_unix"] - (time.time() - time.perf_counter() + 0.5)) < 1.0
     bad = Result(target="t", index=1, prompt_len=4)
     st = StreamState(bad)
     st.feed('data: {"error": {"message": "decode died"}}', 1.0)

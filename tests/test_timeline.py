@@ -70,4 +70,33 @@ def test_decode_scheduler_marks_kv_seen_then_scheduled(monkeypatch: pytest.Monke
     got = timeline.parse(r.getMessage() for r in caplog.records)
     assert set(got["tx-r1"]) == {"kv_seen", "scheduled"}
     assert set(got["tx-r2"]) == {"kv_seen"}
+    # Its first token: marked once, after the step that produced it was processed.
+    d.push.note_outputs({"r1": 0}.get)  # the step is still running
+    assert d.push.stepping == {"r1": "tx-r1"}
+    d.push.note_outputs({"r1": 1}.get)
+    d.push.note_outputs({"r1": 2}.get)
+    assert not d.push.stepping
+    got = timeline.parse(r.getMessage() for r in caplog.records)
+    assert set(got["tx-r1"]) == {"kv_seen", "scheduled", "d_token_out"}
+    assert got["tx-r1"]["d_token_out"] >= got["tx-r1"]["scheduled"]
+
+
+def test_first_token_mark_forgets_requests_that_ended(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(timeline, "ENABLED", True)
+    caplog.set_level(logging.INFO)
+    d = TransferScheduler("D0", "10.0.0.2", 5700, 16)
+    prompt = list(range(40))
+    for req in ("r1", "r2"):
+        params = {"do_remote_prefill": True, "push": True, "transfer_id": f"tx-{req}",
+                  "remote_host": "10.0.0.1", "remote_port": 5600}
+        assert d.matched_tokens(req, prompt, params, 0) == (40, True)
+        d.after_alloc(req, [1, 2, 3], 40)
+    d.worker_done(set(), {"r1", "r2"})
+    d.note_scheduled({"r1": (39, 1), "r2": (39, 1)})
+    d.finished("r1", False, [], None, prompt)  # aborted in its first step
+    d.push.note_outputs({}.get)  # r2 left vLLM's scheduler without a token
+    assert not d.push.stepping
+    got = timeline.parse(r.getMessage() for r in caplog.records)
+    assert "d_token_out" not in got["tx-r1"] and "d_token_out" not in got["tx-r2"]
 

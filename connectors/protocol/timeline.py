@@ -20,6 +20,8 @@ ENABLED = os.environ.get("KVFERRY_TIMELINE") == "1"
 
 # A push request's events in the order they normally happen.
 PUSH_EVENTS = (
+    "client_sent",    # benchmark client: request sent (tests/gpu/bench_pd.py joins it)
+    "router_in",      # router: request received, before its body was parsed
     "dispatched",     # router: both legs sent
     "registered",     # D transfer thread: Register notification sent to P
     "last_chunk_scheduled",  # P scheduler (early push): the prompt's last chunk planned
@@ -31,7 +33,9 @@ PUSH_EVENTS = (
     "kv_in",          # D transfer thread: P's Wrote notification arrived
     "kv_seen",        # D scheduler: the request's KV reported received
     "scheduled",      # D scheduler: the request scheduled for its first token
+    "d_token_out",    # D scheduler: that step's output processed, the first token exists
     "d_first_byte",   # router: D's first streamed chunk
+    "client_first_byte",  # benchmark client: the first token's chunk arrived
 )
 
 _LINE = re.compile(r"kvferry-timeline (\S+) (\S+) ([\d.]+)")
@@ -63,7 +67,10 @@ def summarize(marks: dict[str, dict[str, float]], events: Sequence[str] = PUSH_E
         # layer-wise push (transfer/layer_push.py): P's first and last layer batch posted
         ("last_chunk_scheduled", "first_layer_posted"),
         ("first_layer_posted", "last_layer_posted"), ("last_layer_posted", "forward_done"),
-        ("forward_done", "write_done"), ("kv_in", "scheduled")]
+        ("forward_done", "write_done"), ("kv_in", "scheduled"),
+        # engine core -> its API server -> the router, on P and on D
+        ("prefill_end", "p_answered"), ("d_token_out", "d_first_byte"),
+        ("scheduled", "d_first_byte")]
     for a, b in pairs:
         gaps = [(m[b] - m[a]) * 1e3 for m in marks.values() if a in m and b in m]
         if gaps:

@@ -46,6 +46,7 @@ class PushPlanner:
         self.rejected: dict[str, str] = {}  # D: req id -> why it will not be pushed to
         self.waiting: dict[str, str] = {}  # D: req id -> transfer id awaiting P's WRITE
         self.landed: dict[str, str] = {}  # D, timeline only: KV in, first step not yet planned
+        self.stepping: dict[str, str] = {}  # D, timeline only: first step planned, no token yet
 
     # -- D ----------------------------------------------------------------------------------
     def matched(self, req_id: str, prompt: Sequence[int], kp: KvParams,
@@ -94,11 +95,25 @@ class PushPlanner:
         for req_id in req_ids:
             if (tid := self.landed.pop(req_id, None)) is not None:
                 timeline.mark(log, tid, "scheduled")
+                self.stepping[req_id] = tid
+
+    def note_outputs(self, output_tokens: Callable[[str], int | None]) -> None:
+        """Timeline only, after each step's outputs were processed: push requests whose
+        first token now exists in D's engine core (``output_tokens``: a request's output
+        token count, None once it is gone), the moment before vLLM sends it to its API
+        server."""
+        for req_id, tid in list(self.stepping.items()):
+            n = output_tokens(req_id)
+            if n is None or n > 0:
+                del self.stepping[req_id]
+                if n:
+                    timeline.mark(log, tid, "d_token_out")
 
     def forget(self, req_id: str, meta: StepMeta) -> None:
         """The request ended: tell P whatever it may now free."""
         self.rejected.pop(req_id, None)
         self.landed.pop(req_id, None)
+        self.stepping.pop(req_id, None)
         push = self._push.pop(req_id, None)
         if push is not None:  # D push request ended before allocation: P may free
             meta.push_abort_d.append(push.transfer_id)

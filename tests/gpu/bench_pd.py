@@ -164,6 +164,9 @@ def push_timeline(raw: Path, texts: list[str]) -> list[dict]:
         if tid in marks and "dispatched" in marks[tid]:
             groups.setdefault((r["target"], r["input_len"], r["qps"]), {})[tid] = marks[tid]
             marks[tid]["client_handoff_ms"] = r.get("handoff_ms") or float("nan")
+            for event, key in (("client_sent", "sent_unix"), ("client_first_byte", "first_unix")):
+                if r.get(key) is not None:
+                    marks[tid][event] = r[key]
     out = []
     for (target, input_len, qps), g in sorted(groups.items()):
         hand = sorted(m.pop("client_handoff_ms") for m in g.values())
