@@ -10,15 +10,14 @@ it, which lets the conversation commit before the client's next turn can arrive)
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from .history import Answer
+from .sse_framing import event_ends
 
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
 DONE = b"[DONE]"
 
 
@@ -106,9 +105,9 @@ class AnswerCapture:
     def feed(self, chunk: bytes) -> bytes:
         data = self._held + chunk
         end = 0
-        for m in _EVENT_END.finditer(data):
-            self._event(data[end:m.start()])
-            end = m.end()
+        for start, stop in event_ends(data):
+            self._event(data[end:start])
+            end = stop
         self._held = data[end:]
         return chunk
 

@@ -98,6 +98,19 @@ def extract_kv_params(response_json: Any) -> dict[str, Any] | None:
     return None
 
 
+def token_ids(value: Any) -> list[int] | None:
+    """`value` when it is a prompt of token ids (a non-empty list of ints, no bools), else
+    None. Checked by msgspec in C: the Python loop it replaces took 1-6 ms of router CPU
+    per 16k-token request, and the router asked three times on the TTFT path."""
+    if not isinstance(value, list) or not value:
+        return None
+    try:
+        msgspec.convert(value, list[int], strict=True)
+    except msgspec.ValidationError:
+        return None
+    return value
+
+
 def wants_stream(body: dict[str, Any]) -> bool:
     """True when the client asked for SSE."""
     return bool(body.get("stream", False))

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from . import bodies
+
 ROOT = b"kvferry-history-v1"
 RENDER_FIELDS = ("model", "tools", "chat_template", "chat_template_kwargs", "documents",
                  "add_generation_prompt", "continue_final_message")
@@ -174,8 +176,8 @@ def view_of(body: Mapping[str, Any]) -> PromptView:
     p = body.get("prompt")
     if isinstance(p, str):
         return PromptView("text", text=p, choices=n)
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return PromptView("tokens", tokens=tuple(p), choices=n)
+    if (ids := bodies.token_ids(p)) is not None:
+        return PromptView("tokens", tokens=tuple(ids), choices=n)
     return PromptView("other", choices=n)
 
 

@@ -28,6 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from . import bodies
 from .context import FlowContext
 from .kv_index import PrefixIndex, choose
 from .metrics import RouterMetrics
@@ -110,10 +111,7 @@ class KvEventSubscriber:
 
 
 def prompt_tokens(body: Mapping[str, Any]) -> list[int] | None:
-    p = body.get("prompt")
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return p
-    return None
+    return bodies.token_ids(body.get("prompt"))
 
 
 def choose_prefill(ctx: FlowContext, body: Mapping[str, Any],

@@ -19,13 +19,13 @@ original prompt and every generated token, and logprob text offsets keep countin
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from . import bodies
+from .sse_framing import event_ends, last_event_end
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """vLLM's `max_tokens` when a completions request names none."""
@@ -66,16 +66,11 @@ def unsupported(endpoint: str, clean: dict[str, Any]) -> str | None:
             return "chat logprobs"
         return None
     prompt = clean.get("prompt")
-    if not (isinstance(prompt, str) or _is_ids(prompt)):
+    if not (isinstance(prompt, str) or bodies.token_ids(prompt) is not None):
         return "several prompts"
     if clean.get("echo"):
         return "echo"
     return None
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 @dataclass
@@ -120,7 +115,6 @@ def continuation_body(progress: Progress, clean: dict[str, Any]) -> dict[str, An
     return body
 
 
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
 _DONE = b"data: [DONE]"
 
 
@@ -147,9 +141,7 @@ class EventRewriter:
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._held + chunk
-        end = 0
-        for m in _EVENT_END.finditer(data):
-            end = m.end()
+        end = last_event_end(data)
         self._held = data[end:]
         return self._events(data[:end])
 
@@ -162,9 +154,9 @@ class EventRewriter:
             return b""
         out = []
         pos = 0
-        for m in _EVENT_END.finditer(data):
-            out.append(self._event(data[pos:m.start()], m.group()))
-            pos = m.end()
+        for start, end in event_ends(data):
+            out.append(self._event(data[pos:start], data[start:end]))
+            pos = end
         if pos < len(data):
             out.append(self._event(data[pos:], b""))
         return b"".join(out)

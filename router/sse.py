@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import bodies
 from .errors import RouterError, error_body, from_transport
+from .sse_framing import event_ends, last_event_end
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,6 @@ class InsertBeforeDone:
         return out
 
 
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
 _MARKERS = tuple(f'"{k}"'.encode() for k in bodies.ENGINE_FIELDS)
 
 
@@ -103,9 +102,7 @@ class EngineFieldFilter:
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._held + chunk
-        end = 0
-        for m in _EVENT_END.finditer(data):
-            end = m.end()
+        end = last_event_end(data)
         self._held = data[end:]
         return self._done(self._scrub(data[:end]))
 
@@ -124,9 +121,9 @@ class EngineFieldFilter:
             return data
         out = []
         pos = 0
-        for m in _EVENT_END.finditer(data):
-            out.append(self._event(data[pos:m.start()]) + m.group())
-            pos = m.end()
+        for start, end in event_ends(data):
+            out.append(self._event(data[pos:start]) + data[start:end])
+            pos = end
         if pos < len(data):
             out.append(self._event(data[pos:]))
         return b"".join(out)

@@ -1,0 +1,31 @@
+"""Where the events of an SSE byte stream end: shared by every filter the router runs
+over an engine's stream (engine-field scrubbing, stream migration, answer capture)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+EVENT_END = re.compile(rb"\r?\n\r?\n")
+"""An event ends with a blank line; lines may end with CRLF."""
+
+
+def event_ends(data: bytes) -> Iterator[tuple[int, int]]:
+    """(start, end) of each event separator in `data`, left to right, as
+    ``EVENT_END.finditer`` finds them. vLLM ends events with a bare blank line, so without
+    a CR this is `bytes.find`: the regex took ~1 ms per pass over the first event of a
+    16k-token stream (its prompt_token_ids), and each filter scans a chunk twice."""
+    if b"\r" in data:
+        for m in EVENT_END.finditer(data):
+            yield m.start(), m.end()
+        return
+    pos = 0
+    while (i := data.find(b"\n\n", pos)) >= 0:
+        yield i, i + 2
+        pos = i + 2
+
+
+def last_event_end(data: bytes) -> int:
+    """How many leading bytes of `data` are whole events (0: none yet)."""
+    ends = [end for _, end in event_ends(data)]
+    return ends[-1] if ends else 0
