@@ -64,6 +64,9 @@ NEURON_ENV_VS_AWS_SAMPLE: dict[str, str] = {
                                   "LIBFABRIC/EFA tutorial; harmless across hosts, needed "
                                   "when P and D share one (the sample can co-locate them)",
     "KVFERRY_NEURON_STAGING": "kept: kvferry's registration mode, only when asked for",
+    "KVFERRY_DETOKENIZE_WINDOW": "kept: the API server's detokenizer primed with the "
+                                 "prompt's last 32 tokens (every engine kvferry launches; "
+                                 "connectors/detokenizer_window.py)",
     # in the sample, not adopted
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "not adopted: upstream NixlConnector's side channel; "
                                    "kvferry's is side_channel_host in its extra config",

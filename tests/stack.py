@@ -195,7 +195,7 @@ class Engine:
         text = httpx.get(self.url + "/metrics", timeout=10).text
         total = 0.0
         for line in text.splitlines():
-            if not line.startswith(name + "{"):
+            if not line.startswith((name + "{", name + " ")):
                 continue
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])

@@ -67,6 +67,7 @@ def test_cpu_kvferry_engine(role: str, side: int, bind: str, tmp_path: Path) -> 
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "OMP_WAIT_POLICY": "PASSIVE",
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        "KVFERRY_DETOKENIZE_WINDOW": "32",  # connectors/detokenizer_window.py
     }
 
 

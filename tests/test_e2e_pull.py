@@ -26,6 +26,8 @@ from stack import (
     wait_until,
 )
 
+from kvferry.connectors.detokenizer_window import DEFAULT_WINDOW
+from kvferry.connectors.detokenizer_window import METRIC as WINDOW_METRIC
 from kvferry.connectors.protocol.params import RemotePrefill, prompt_hash, sign
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
@@ -91,6 +93,10 @@ def test_chat_stream_through_router(stack):
                     text += ch.get("delta", {}).get("content") or ""
     assert text == want["choices"][0]["message"]["content"]
     assert stack.decode.transferred_tokens() - before == want["usage"]["prompt_tokens"]
+    # both API servers streamed with their detokenizers primed with the prompt's tail
+    assert want["usage"]["prompt_tokens"] > DEFAULT_WINDOW
+    for engine in (stack.prefill, stack.decode):
+        assert engine.metric(WINDOW_METRIC) == DEFAULT_WINDOW
 
 
 def test_wrong_kv_is_caught(stack):

@@ -285,3 +285,33 @@ def test_block_major_kv(tiny, monkeypatch):
     assert _descriptors(views, 1) == (L, H)
     cross_off = {"hardware_backend": "cuda", "cross_layer_blocks": False}
     assert KvferryConnector.get_required_kvcache_layout(vllm_config(tiny, cross_off)) is None
+
+
+# -- detokenizer primed with the prompt's tail (connectors/detokenizer_window.py) ---------------
+def test_detokenizer_window_on_this_versions_detokenizer(tiny, monkeypatch):
+    from tokenizers import Tokenizer
+    from vllm import SamplingParams
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    from kvferry.connectors import detokenizer_window as dw
+
+    monkeypatch.setattr(FastIncrementalDetokenizer, "__init__", FastIncrementalDetokenizer.__init__)
+    monkeypatch.setattr(dw, "_installed", None)
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    backend = SimpleNamespace(_tokenizer=tok)  # what __init__ reads of vLLM's tokenizer
+    text = "ferry café 日本語 🚀 " * 12
+    ids = tok.encode(text, add_special_tokens=False).ids
+
+    def texts() -> list[str]:
+        out = []
+        for cut in range(40, len(ids) - 8, 3):
+            req = SimpleNamespace(request_id="r", prompt_token_ids=ids[:cut],
+                                  sampling_params=SamplingParams(max_tokens=8))
+            d = FastIncrementalDetokenizer(backend, req)
+            d.update(ids[cut:cut + 8], stop_terminated=False)
+            out.append(d.output_text if not tok.decode(ids[:cut]).endswith("\ufffd") else None)
+        return out
+
+    whole = texts()
+    dw.install(dw.MIN_WINDOW)
+    assert texts() == whole and sum(w is not None and w != "" for w in whole) > 20

@@ -28,6 +28,7 @@ os.environ.setdefault("KVFERRY_TIMELINE", "1")  # engines inherit it; read at im
 
 from stack import pd_stack  # noqa: E402
 
+from kvferry.connectors.detokenizer_window import METRIC as WINDOW_METRIC  # noqa: E402
 from kvferry.connectors.protocol import timeline  # noqa: E402
 from kvferry.scripts.bench import git_commit  # noqa: E402
 from kvferry.scripts.engines import shared_device_args  # noqa: E402
@@ -81,6 +82,9 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
     with pd_stack(model, tmp / f"logs-{name}", backend=args.backend, engine_args=engine_args,
                   devices=devices, extra=LAYERWISE if layerwise else None) as s:
         print(f"kvferry stack ({name}) up in {time.monotonic() - t0:.0f}s", flush=True)
+        # 0: vLLM's detokenizer primes with the whole prompt (connectors/detokenizer_window.py)
+        window = {e.role: e.metric(WINDOW_METRIC) for e in (s.prefill, s.decode)}
+        print("detokenizer window:", window, flush=True)
         targets = ([f"kvferry-push-layerwise={s.router},impl=kvferry,mode=push_layerwise,"
                     "x-kvferry-mode=push"] if layerwise else
                    [f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
@@ -106,7 +110,8 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
     out = Path(args.out).with_suffix(".timeline.jsonl")
     meta = {"experiment": "push_timeline", "impl": "kvferry", "hardware": args.hardware,
             "model": args.shape, "command": shlex.join([sys.executable, *sys.argv]),
-            "commit": git_commit()[0], "date": time.strftime("%Y-%m-%d")}
+            "commit": git_commit()[0], "date": time.strftime("%Y-%m-%d"),
+            "detokenize_window": window}
     with out.open("a") as f:
         for line in report + engine_means:
             print("push timeline:", line, flush=True)
