@@ -304,7 +304,7 @@ def test_detokenizer_window_on_this_versions_detokenizer(tiny, monkeypatch):
 
     def texts() -> list[str]:
         out = []
-        for cut in range(40, len(ids) - 8, 3):
+        for cut in range(40, len(ids) - 8):
             req = SimpleNamespace(request_id="r", prompt_token_ids=ids[:cut],
                                   sampling_params=SamplingParams(max_tokens=8))
             d = FastIncrementalDetokenizer(backend, req)
@@ -314,4 +314,4 @@ def test_detokenizer_window_on_this_versions_detokenizer(tiny, monkeypatch):
 
     whole = texts()
     dw.install(dw.MIN_WINDOW)
-    assert texts() == whole and sum(w is not None and w != "" for w in whole) > 20
+    assert texts() == whole and sum(w is not None and w != "" for w in whole) > 40
