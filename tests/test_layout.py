@@ -145,6 +145,28 @@ def test_descriptors_cover_exactly_the_requested_block_bytes(ps, kind):
     assert got == want
 
 
+@given(st.lists(st.tuples(st.integers(0, 15), st.integers(0, 15)), max_size=20),
+       st.sampled_from(["dense", "interleaved"]), st.sets(st.integers(0, 1), min_size=1),
+       st.booleans())
+def test_layer_batches_cover_their_planes_bytes_call_after_call(ps, kind, planes, merge):
+    """What a layer-wise WRITE asks once per batch of layers: the same ids (a tuple, whose
+    runs are kept between calls) with a few planes; every call covers those planes' bytes
+    of every pair, merged or one descriptor per block."""
+    mk = dense_layout if kind == "dense" else interleaved_layout
+    loc, rem = mk(16, base=0), mk(16, base=1 << 20)
+    li, ri = tuple(a for a, _ in ps), tuple(b for _, b in ps)
+    sel = sorted(planes)
+    want = sorted((loc.planes[p].block_addr(a) + k, rem.planes[p].block_addr(b) + k)
+                  for p in sel for a, b in zip(li, ri, strict=True)
+                  for k in range(0, loc.planes[p].block_bytes, 64))
+    for _ in range(2):
+        ld, rd = descriptors(loc, rem, li, ri, merge=merge, planes=sel)
+        assert len(ld) == len(rd) <= len(sel) * len(ps)
+        got = sorted((int(a) + k, int(b) + k) for (a, n, _), (b, m, _) in
+                     zip(ld.tolist(), rd.tolist(), strict=True) for k in range(0, int(n), 64))
+        assert got == want and (merge or len(ld) == len(sel) * len(ps))
+
+
 # -- descriptors against real tensors ----------------------------------------------------------
 def test_descriptors_copy_the_right_bytes_between_cpu_tensors():
     n = 8
