@@ -19,6 +19,7 @@ from . import bodies
 from .answers import finish_json, kv_params_of
 from .context import TIMELINE, FlowContext, json_headers, passive, wire_failed
 from .errors import RouterError, from_status, from_transport, never_sent
+from .first_token import Head
 from .migrate import Migration
 from .sse import ChunkFilter, EngineFieldFilter, Leg, UpstreamStream
 from .upstreams import Upstream
@@ -49,6 +50,7 @@ class DecodeHooks:
     on_answer: Callable[[bytes], None] | None = None  # a 200 JSON answer's bytes, before on_d_params
     before_json: Callable[[], Awaitable[None]] | None = None  # awaited before json_fields
     before_done: Callable[[], Awaitable[None]] | None = None  # awaited before a stream's [DONE]
+    head: Head | None = None  # push: P's token 1, sent before D's if it comes first
 
 
 def choose_decode(ctx: FlowContext, turn: Any, broken: Collection[str] = ()) -> Upstream:
@@ -185,11 +187,13 @@ def _stream(
     continues on another pair when `hooks.migration` can. D is released when its leg
     closes."""
 
+    head = hooks.head if hooks.migration is not None else None  # splicing needs its rewriter
+
     def first_chunk() -> None:
         timeline.mark(TIMELINE, resp_headers.get(HDR_TRANSFER, ""), "d_first_byte")
-        ctx.metrics.ttft.labels(endpoint=endpoint, stream="true").observe(
-            time.perf_counter() - started
-        )
+        if head is None or head.sent_at is None:
+            ctx.metrics.ttft.labels(endpoint=endpoint, stream="true").observe(
+                time.perf_counter() - started)
 
     def on_error(err: RouterError) -> None:
         ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
@@ -213,4 +217,5 @@ def _stream(
         on_success=hooks.on_success,
         resume=mig.resume if mig is not None else None,
         before_done=hooks.before_done,
+        head=head,
     )

@@ -55,7 +55,7 @@ from .prefill import build_legs, prefill_with_retry
 from .push import run_push
 from .settings import Mode
 from .turns import commit_hooks, reuse_report
-from .wire import HDR_PREFILL, HDR_PREFILL_MS, HDR_REUSE_REASON, HDR_REUSED, HDR_TRANSFER
+from .wire import HDR_FIRST_TOKEN, HDR_PREFILL, HDR_PREFILL_MS, HDR_REUSE_REASON, HDR_REUSED, HDR_TRANSFER
 
 __all__ = ["FlowContext", "build_legs", "forward_headers", "run_request"]
 
@@ -129,7 +129,8 @@ async def _serve(
         return local
     if mode == "push":
         return await run_push(ctx, endpoint, path, clean, transfer_id, headers, stream,
-                              started, turn, migration=migration, decode_exclude=broken)
+                              started, turn, migration=migration, decode_exclude=broken,
+                              first_from_p=client_headers.get(HDR_FIRST_TOKEN) != "decode")
 
     legs = build_legs(mode, endpoint, clean, transfer_id,
                       p_extra=turn.prefill_params() if turn else None)

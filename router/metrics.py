@@ -180,6 +180,16 @@ class RouterMetrics:
             "Tokens already sent to clients that migrations prefilled again on another pair.",
             registry=self.registry,
         )
+        self.first_token = Counter(
+            "kvferry_router_first_token",
+            "Push streams offered P's first token (router/first_token.py), by outcome: sent "
+            "(P's token reached the client before D's first event), spliced (D's token 1 "
+            "matched it and was dropped), mismatch (it did not: the stream went on from "
+            "prompt + P's token elsewhere), d_first (D's first event came first: D's stream "
+            "as is), no_token (P's answer carried no usable token).",
+            ["result"],
+            registry=self.registry,
+        )
         self.discovery_changes = Counter(
             "kvferry_router_discovery_changes",
             "Engines added or removed by discovery.",

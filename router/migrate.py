@@ -58,6 +58,7 @@ class Migration:
         self.progress = Progress(endpoint, want_ids=bool(clean.get("return_token_ids")))
         self.left = ctx.settings.max_migrations
         self.failed: set[str] = set()
+        self.rewriter: EventRewriter | None = None  # the current leg's
         self.on_stream_params: Any = None
         self.on_stream_done: Any = None
         self.on_moved: Any = None
@@ -73,14 +74,23 @@ class Migration:
         scrub = EngineFieldFilter(self.on_stream_params, self.on_stream_done)
         if self.why_not:
             return Leg(resp, d.url, scrub, on_close=lambda: self.ctx.decode.release(d))
-        rewriter = EventRewriter(self.progress, offset)
+        rewriter = self.rewriter = EventRewriter(self.progress, offset)
         return Leg(resp, d.url, ChainedFilter(rewriter, scrub),
-                   on_close=lambda: self.ctx.decode.release(d), broken=rewriter.broken)
+                   on_close=lambda: self.ctx.decode.release(d), broken=rewriter.broken,
+                   cut=lambda: rewriter.mismatch)
+
+    def splice(self, token_id: int, text: str) -> None:
+        """P's token 1 went to the client through the current leg (first_token.py)."""
+        assert self.rewriter is not None
+        self.rewriter.splice(token_id, text, lambda ok: self.ctx.metrics.first_token.labels(
+            result="spliced" if ok else "mismatch").inc())
 
     async def resume(self, url: str, err: RouterError) -> Leg | bytes | RouterError:
         """The next leg after the leg on `url` broke with `err` (see module docstring)."""
         ctx, p = self.ctx, self.progress
-        if (up := ctx.decode.get(url)) is not None:
+        if self.rewriter is not None and self.rewriter.mismatch:
+            self.failed.discard(url)  # D is fine: its token 1 only lost a near-tie to P's
+        elif (up := ctx.decode.get(url)) is not None:
             passive(ctx.decode, up, False)
         if self.why_not:
             self.ctx.metrics.migrations.labels(result="unsupported").inc()

@@ -19,11 +19,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.responses import Response
 
 from kvferry.connectors.protocol import timeline
 
-from . import bodies
+from . import bodies, first_token
 from .context import TIMELINE, FlowContext
 from .conversations import Turn
 from .decode import DecodeHooks, choose_decode, send_decode_or_next
@@ -49,6 +50,14 @@ class PushPrefill:
     """(Tokens P read back from D, why) for conversation reuse, once P answered."""
     wait_s: float = 2.0
     """RouterSettings.push_report_wait_s"""
+    answer: Any = None
+    """P's parsed JSON answer (200), once it came."""
+
+    async def answered(self) -> Any:
+        """P's answer once its leg ended (None: it failed or carried none)."""
+        if self.task is not None:
+            await asyncio.wait({self.task})  # never raises for it
+        return self.answer
 
     def cancel(self) -> None:
         """Abort P's request (closes its connection) unless it has finished."""
@@ -95,6 +104,7 @@ async def run_push(
     migration: Migration | None = None,
     prefill: Upstream | None = None,
     decode_exclude: frozenset[str] = frozenset(),
+    first_from_p: bool = True,
 ) -> Response:
     """Push: choose D, then P (`prefill` when a retry already chose it); send both legs
     at once; D's answer is the client's.
@@ -119,6 +129,10 @@ async def run_push(
     legs = build_legs("push", endpoint, clean, transfer_id, prefill_kv,
                       p_extra=turn.prefill_params() if turn else None, d_extra=d_extra)
     assert legs.decode_body is not None
+    first = "not asked" if not (stream and migration and first_from_p) else \
+        first_token.why_not(endpoint, clean, migration.why_not, ctx.settings)
+    if first is None:  # P's token 1 goes first
+        legs.prefill_body["return_token_ids"] = True
     leg = PushPrefill(wait_s=ctx.settings.push_report_wait_s)
     p_failed: asyncio.Future[RouterError] = asyncio.get_running_loop().create_future()
 
@@ -140,9 +154,10 @@ async def run_push(
             failed(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {resp.text[:300]}")
             return
         try:
-            params = bodies.extract_kv_params(resp.json())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            params = None
+            leg.answer = msgspec.json.decode(resp.content)
+        except msgspec.DecodeError:
+            leg.answer = None
+        params = bodies.extract_kv_params(leg.answer) if leg.answer is not None else None
         if params is not None:
             leg.reused = reuse_report(ctx, turn, params)
         leg.ms = secs * 1000.0
@@ -159,11 +174,24 @@ async def run_push(
     await asyncio.sleep(0)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id}
 
+    def head() -> first_token.Head | None:
+        if first is not None or migration is None:
+            return None
+
+        def sent() -> None:
+            timeline.mark(TIMELINE, transfer_id, "p_token_out")
+            ctx.metrics.ttft.labels(endpoint=endpoint, stream="true").observe(
+                time.perf_counter() - started)
+
+        return first_token.Head(
+            endpoint, leg.answered, lambda t: migration.splice(t.token_id, t.text),
+            lambda result: ctx.metrics.first_token.labels(result=result).inc(), sent)
+
     def hooks_for(dd: Upstream) -> DecodeHooks:
         return commit_hooks(ctx, turn, dd, DecodeHooks(
             json_fields=leg.json_fields, before_json=leg.settle, before_done=leg.settle,
             chunk_filter=InsertBeforeDone(leg.sse_event),
-            on_abort=leg.cancel, migration=migration))
+            on_abort=leg.cancel, migration=migration, head=head()))
 
     # A D that refuses the connection never saw the leg: another D may register with P
     # for the same transfer (D's body names P and the transfer, no D).
@@ -181,7 +209,7 @@ async def run_push(
                 return await run_push(ctx, endpoint, path, clean, retry_id,
                                       {**headers, "x-request-id": retry_id}, stream, started,
                                       turn, exclude | {p.url}, migration, other,
-                                      decode_exclude)
+                                      decode_exclude, first_from_p)
         resp = await d_leg
     except BaseException:
         d_leg.cancel()

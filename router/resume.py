@@ -19,6 +19,7 @@ original prompt and every generated token, and logprob text offsets keep countin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,9 +133,28 @@ class EventRewriter:
         self._held = b""
         self.done = False
         self.error: str | None = None
+        self._skip: tuple[int, str] | None = None  # P's token 1, still to drop from D's
+        self._spliced = False
+        self._on_splice: Callable[[bool], None] | None = None
+        self.mismatch = False
+        """D's token 1 was not P's (`splice`): D is fine, only this stream must move."""
+
+    def splice(self, token_id: int, text: str,
+               on_result: Callable[[bool], None] | None = None) -> None:
+        """P's token 1 (router/first_token.py) went to the client through this filter, as
+        the stream's first event: drop D's own token 1 (and a chat stream's role-only
+        event) from D's events, which then carry the first event's id and `created`. A D
+        whose token 1 is another token, or renders to other text, breaks the leg
+        (`mismatch`), and the stream moves on from prompt + P's token. ``on_result``:
+        called once with whether D's token 1 matched."""
+        self._skip = (token_id, text)
+        self._spliced = True
+        self._on_splice = on_result
 
     def broken(self) -> str | None:
         """After the engine's answer ended: why it is incomplete, or None."""
+        if self.mismatch:
+            return f"gave another token 1 than P's, which the client has: {self.error}"
         if self.error is not None:
             return f"sent an error event: {self.error}"
         return None if self.done else "ended before [DONE]"
@@ -179,7 +199,14 @@ class EventRewriter:
             err = obj.get("error", obj)
             self.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
             return b""
-        changed = self._first(obj) if self.offset is None else self._continued(obj)
+        changed = False
+        if self._spliced and self.offset is None:
+            changed = self._as_stream(obj)
+            if self._skip is not None:
+                if not self._drop_token_one(obj):
+                    return b""  # D's token 1 (or its role event), or a mismatch
+                changed = True
+        changed |= self._first(obj) if self.offset is None else self._continued(obj)
         self.p.events += 1
         return (b"data: " + msgspec.json.encode(obj) if changed else event) + sep
 
@@ -200,6 +227,55 @@ class EventRewriter:
             if choice.get("finish_reason") is not None:
                 p.finished = True
         return changed
+
+    # -- P's token 1 went first (splice) ------------------------------------------------------
+    def _as_stream(self, obj: dict[str, Any]) -> bool:
+        """D's event under the id and `created` of the stream's first event (P's)."""
+        changed = False
+        for key in ("id", "created"):
+            want = getattr(self.p, key)
+            if want is not None and obj.get(key) != want:
+                obj[key] = want
+                changed = True
+        return changed
+
+    def _drop_token_one(self, obj: dict[str, Any]) -> bool:
+        """Remove D's token 1 from this event; False: drop the whole event."""
+        assert self._skip is not None
+        token_id, text = self._skip
+        choices = _choices(obj)
+        for holder in (obj, *choices):  # the prompt, in case the stream must move; the
+            self._take_ids(holder, "prompt_token_ids", prompt=True)  # client had it first
+            if holder.get("prompt_token_ids") is not None:
+                holder["prompt_token_ids"] = None
+        if not choices:  # usage only: nothing of token 1 here
+            return True
+        choice = choices[0]
+        delta = choice.get("delta")
+        holder = delta if isinstance(delta, dict) else choice
+        key = "content" if isinstance(delta, dict) else "text"
+        got, ids = holder.get(key), choice.get("token_ids")
+        if not ids:
+            if (isinstance(delta, dict) and delta.get("role") and not got
+                    and choice.get("finish_reason") is None):
+                return False  # D's role event: P's event carried the role
+            return self._mismatch("D's first token event carries no token ids")
+        other = isinstance(delta, dict) and (delta.get("tool_calls") or any(
+            delta.get(k) for k in ("reasoning", "reasoning_content")))
+        if ids[0] != token_id or not isinstance(got, str) or not got.startswith(text) or other:
+            return self._mismatch(f"D's token 1 is {ids[0]} ({got!r}), P's {token_id} ({text!r})")
+        self._skip = None
+        choice["token_ids"], holder[key] = ids[1:], got[len(text):]
+        if self._on_splice is not None:
+            self._on_splice(True)
+        return bool(ids[1:] or holder[key] or choice.get("finish_reason") is not None
+                    or obj.get("usage"))
+
+    def _mismatch(self, why: str) -> bool:
+        self.error, self.mismatch, self._skip = why, True, None
+        if self._on_splice is not None:
+            self._on_splice(False)
+        return False
 
     def _take_ids(self, obj: dict[str, Any], key: str, prompt: bool) -> bool:
         ids = obj.get(key)

@@ -119,6 +119,14 @@ class RouterSettings(BaseModel):
     max_migrations: int = Field(2, ge=0, description="Engine pairs one stream may try after "
                                 "its decode engine broke mid-stream (0: a broken stream ends "
                                 "with an SSE error event).")
+    first_token_from_prefill: bool = Field(True, description="Push, greedy streams: send "
+                                           "the client P's first token as soon as P answers, "
+                                           "then D's stream without its own token 1 "
+                                           "(router/first_token.py).")
+    first_token_chat: bool = Field(False, description="Also for chat streams (without tools). "
+                                   "Only where the engines run no reasoning parser, which could "
+                                   "render token 1 differently in P's whole answer and in D's "
+                                   "stream.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight "
                                    "requests may take to finish before the router exits.")
     _discovered: dict[str, EngineInfo] = PrivateAttr(default_factory=dict)

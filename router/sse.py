@@ -182,7 +182,22 @@ class Leg:
     broken: Callable[[], str | None] | None = None
     """After a clean end: why the answer is incomplete all the same (an in-band error
     event, no [DONE]), or None. Only set where another engine could take over."""
+    cut: Callable[[], bool] | None = None
+    """True once the rest of this answer is of no use (D's token 1 was not P's): stop
+    reading it now rather than at its end; `broken` says why."""
     closed: bool = False
+
+
+class Head(Protocol):
+    """An event that may go to the client before the first leg's first chunk (push: P's
+    token 1, router/first_token.py): `ready` awaits it (None: there is none), `sent` is
+    called once it went out, `lost` when a leg's chunk went first (again: no effect)."""
+
+    async def ready(self) -> bytes | None: ...
+
+    def sent(self) -> None: ...
+
+    def lost(self) -> None: ...
 
 
 Resume = Callable[[str, RouterError], Awaitable["Leg | bytes | RouterError"]]
@@ -214,6 +229,7 @@ class UpstreamStream(Response):
         on_success: Callable[[], None] | None = None,
         resume: Resume | None = None,
         before_done: Callable[[], Awaitable[None]] | None = None,
+        head: Head | None = None,
     ) -> None:
         self.current = first
         self.leg = leg
@@ -231,6 +247,10 @@ class UpstreamStream(Response):
         self._before_done = before_done
         self._tail = b""  # the last bytes of the previous upstream chunk
         self._sent_all = False
+        self._head = head
+        self._first_leg = first
+        self._relayed = False  # a chunk of a leg went on: the head is too late
+        self._send_lock = anyio.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         clean = False
@@ -260,6 +280,32 @@ class UpstreamStream(Response):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        if self._head is None:
+            return await self._legs(send)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._send_head, send)
+            try:
+                return await self._legs(send)
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _send_head(self, send: Send) -> None:
+        """The head event, through the first leg's filter, unless a leg's chunk went first."""
+        head = self._head
+        assert head is not None
+        event = await head.ready()
+        if event is None:
+            return
+        async with self._send_lock:
+            leg = self.current
+            if self._relayed or leg is not self._first_leg or leg.closed:
+                head.lost()  # counted already, unless the first leg closed unread
+                return
+            data = leg.filter.feed(event) if leg.filter is not None else event
+            head.sent()
+            await self._to_client(send, data)
+
+    async def _legs(self, send: Send) -> bool:
         while (err := await self._relay(self.current, send)) is not None:
             broken = self.current
             await _close(broken)
@@ -298,9 +344,15 @@ class UpstreamStream(Response):
                         wait, self._before_done = self._before_done, None
                         await wait()  # what `chunk_filter` adds before [DONE] may be due
                     self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
-                if leg.filter is not None:
-                    chunk = leg.filter.feed(chunk)
-                await self._to_client(send, chunk)
+                async with self._send_lock:
+                    if not self._relayed and self._head is not None and leg is self._first_leg:
+                        self._head.lost()  # no-op once it was sent
+                    self._relayed = True
+                    if leg.filter is not None:
+                        chunk = leg.filter.feed(chunk)
+                    await self._to_client(send, chunk)
+                if leg.cut is not None and leg.cut():
+                    break
             if leg.filter is not None:
                 await self._to_client(send, leg.filter.flush())
         except httpx.HTTPError as exc:

@@ -15,6 +15,9 @@ HDR_PREFILL = "x-kvferry-prefill"
 HDR_DECODE = "x-kvferry-decode"
 HDR_TRANSFER = "x-kvferry-transfer-id"
 HDR_ROUTE = "x-kvferry-route"
+HDR_FIRST_TOKEN = "x-kvferry-first-token"
+"""Request header: `decode` keeps a push stream's first token D's own (benchmarks compare
+both; router/first_token.py)."""
 """Answers: "d_local" when the conversation's D served the turn from its own prefix cache
 (no P leg). Requests: "prefill" keeps the turn on P (benchmarks, tests)."""
 HDR_PREFILL_MS = "x-kvferry-prefill-ms"

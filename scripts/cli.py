@@ -123,6 +123,12 @@ def router(
     content_reuse: Annotated[bool, typer.Option(
         envvar="KVFERRY_CONTENT_REUSE", help="Recognise chat conversations sent without an id "
         "by their content (per API key).")] = True,
+    first_token_from_prefill: Annotated[bool, typer.Option(
+        envvar="KVFERRY_FIRST_TOKEN_FROM_PREFILL", help="Push, greedy streams: the client "
+        "gets P's first token as soon as P answers (D's own token 1 is checked and dropped).")] = True,
+    first_token_chat: Annotated[bool, typer.Option(
+        envvar="KVFERRY_FIRST_TOKEN_CHAT", help="Also for chat streams: only where the engines "
+        "run no reasoning parser.")] = False,
     log_level: str = "info",
 ) -> None:
     """Run the OpenAI-compatible router in front of prefill and decode engines."""
@@ -153,6 +159,7 @@ def router(
             d_local_busy_tokens_per_s=d_local_busy_tokens_per_s,
             d_local_max_in_flight=d_local_max_in_flight, content_reuse=content_reuse,
             prefill_kv_events=prefill_kv_events or [],
+            first_token_from_prefill=first_token_from_prefill, first_token_chat=first_token_chat,
         )
     except ValidationError as exc:
         msgs = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())

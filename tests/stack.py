@@ -192,14 +192,7 @@ class Engine:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a Prometheus sample of this engine (0 if absent)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith((name + "{", name + " ")):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_at(self.url, name, **labels)
 
     def kv_usage(self) -> float:
         return self.metric("vllm:kv_cache_usage_perc")
@@ -355,6 +348,18 @@ def tokens_and_logprobs(resp: dict[str, Any]) -> tuple[list[int], list[dict[str,
 # the first token are compared within COLOCATED_TOL (plus every greedy token exactly).
 # Two disaggregated paths that load the same KV (pull vs push) agree to the bit (tol=0).
 COLOCATED_TOL = 0.15
+
+
+def metric_at(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample on ``url``'s /metrics (an engine, a router; 0 if absent)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith((name + "{", name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def assert_same_output(got: dict[str, Any], want: dict[str, Any], first: int = 1,

@@ -11,6 +11,7 @@ They answer the way vLLM's OpenAI server does (field names, `return_token_ids`,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -69,6 +70,12 @@ class FakeModel:
         self.error_after: int | None = None
         self.stop_early = False
         self.lease_offer = False
+        self.answer_delay_s = 0.0  # prefill: before answering
+        self.token_one_shift = 0  # prefill: answer another token 1 than the model's
+        self.first_delay_s = 0.0  # decode: before the stream's first event
+        self.first_event_at: float | None = None  # decode: when it was sent (perf_counter)
+        self.burst = 1  # decode: tokens in the first token event (vLLM merges outputs that
+        # pile up while its API server is busy)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -82,8 +89,7 @@ class FakeModel:
             limit = body.get("max_completion_tokens", body.get("max_tokens"))
             out = greedy(prompt, 16 if limit is None else limit)
             if self.role == "prefill":
-                return JSONResponse({"id": "p", "choices": [{"index": 0, "text": "x"}],
-                                     "kv_transfer_params": {"remote_engine_id": self.name}})
+                return await self._prefill_answer(body, chat, prompt, out)
             if not body.get("stream"):
                 return JSONResponse({"id": f"{self.name}-json", "choices": [
                     {"index": 0, "text": " ".join(f"t{t}" for t in out)}]})
@@ -103,6 +109,25 @@ class FakeModel:
             return {}
 
         return app
+
+    async def _prefill_answer(self, body: dict[str, Any], chat: bool, prompt: list[int],
+                              out: list[int]) -> JSONResponse:
+        """vLLM's JSON answer to a prefill leg (max_tokens 1), token ids when asked."""
+        await asyncio.sleep(self.answer_delay_s)
+        ids = bool(body.get("return_token_ids"))
+        t = out[0] + self.token_one_shift
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": f"t{t} ",
+                                              "reasoning": None, "tool_calls": []},
+                      "finish_reason": "length", "token_ids": [t] if ids else None}
+        else:
+            choice = {"index": 0, "text": f"t{t} ", "finish_reason": "length",
+                      "prompt_token_ids": prompt if ids else None,
+                      "token_ids": [t] if ids else None}
+        return JSONResponse({"id": "p-answer", "created": 999, "model": "fake",
+                             "choices": [choice],
+                             **({"prompt_token_ids": prompt if ids else None} if chat else {}),
+                             "kv_transfer_params": {"remote_engine_id": self.name}})
 
     async def _events(self, body: dict[str, Any], chat: bool, prompt: list[int],
                       out: list[int]) -> AsyncIterator[bytes]:
@@ -131,6 +156,18 @@ class FakeModel:
                     "engine_id": self.name, "lease_id": lease.get("lease_id"),
                     "expiry": time.time() + 100, "num_tokens": len(prompt) + len(out)}}
             events.append(event)
+        if self.burst > 1:  # the first `burst` token events as one
+            first = 1 if chat else 0
+            merged = [e["choices"][0] for e in events[first:first + self.burst]]
+            head_choice = dict(merged[0])
+            if chat:
+                head_choice["delta"] = {"content": "".join(c["delta"]["content"] for c in merged)}
+            else:
+                head_choice["text"] = "".join(c["text"] for c in merged)
+            if ids:
+                head_choice["token_ids"] = [t for c in merged for t in c["token_ids"]]
+            head_choice["finish_reason"] = merged[-1]["finish_reason"]
+            events[first:first + self.burst] = [{**events[first], "choices": [head_choice]}]
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append({**head, "choices": [], "usage": {
                 "prompt_tokens": len(prompt), "completion_tokens": len(out),
@@ -138,6 +175,8 @@ class FakeModel:
         cut, err, early = self.break_after, self.error_after, self.stop_early
         self.break_after = self.error_after = None
         self.stop_early = False
+        await asyncio.sleep(self.first_delay_s)
+        self.first_event_at = time.perf_counter()
         for i, e in enumerate(events):
             if cut is not None and i == cut:
                 raise ConnectionError(f"fake {self.name} dies")  # body cut mid-stream
@@ -384,3 +423,111 @@ def test_rewriter_holds_partial_events_and_shifts_offsets() -> None:
     assert obj["choices"][0]["logprobs"]["text_offset"] == [2, 3]
     assert obj["usage"] == {"prompt_tokens": 2, "completion_tokens": 3}
     assert p.sent == [5, 6, 7] and cont.broken() is None
+
+
+# -- first token from P (router/first_token.py) ----------------------------------------------
+PUSH_KV = {"prefill_kv_addrs": ["127.0.0.1:5600"]}
+PUSH_HDR = {"x-kvferry-mode": "push"}
+
+
+def timed_stream(url: str, body: dict[str, Any], chat: bool = False,
+                 headers: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """The stream's events and when its first event arrived (perf_counter)."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    first_at = None
+    raw = b""
+    with httpx.stream("POST", url + path, json={"model": "fake", "stream": True, **body},
+                      headers={**PUSH_HDR, **(headers or {})}, timeout=20,
+                      trust_env=False) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_bytes():
+            if first_at is None and b"data: {" in chunk:
+                first_at = time.perf_counter()
+            raw += chunk
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"[DONE]") == 1 and first_at
+    return [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")], first_at
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("burst", [1, 3])
+@pytest.mark.parametrize("want_ids", [False, True])
+def test_push_first_token_from_prefill(fleet, chat: bool, burst: int, want_ids: bool) -> None:
+    """A greedy push stream gets P's token 1 before D's first event; D's own token 1 is
+    dropped (from an event of several tokens too), so the client sees every token once,
+    under one id, as an uninterrupted run."""
+    url, p, ds, app = fleet(n_d=1, first_token_chat=True, **PUSH_KV)
+    ds[0].first_delay_s = 0.5  # D's first step comes well after P's answer
+    ds[0].burst = burst
+    msgs = [{"role": "user", "content": "hi"}]
+    body = ({"messages": msgs, "max_completion_tokens": 6} if chat else
+            {"prompt": PROMPT, "max_tokens": 6})
+    events, first_at = timed_stream(url, {**body, "temperature": 0,
+                                          **({"return_token_ids": True} if want_ids else {})},
+                                    chat)
+    assert first_at < ds[0].first_event_at  # P's token 1 reached the client first
+    events = [e for e in events if e.get("id")]  # not push's report event
+    want = greedy(render(msgs) if chat else PROMPT, 6)
+    assert tokens_of(events) == want
+    assert {e["id"] for e in events} == {"p-answer"} and {e["created"] for e in events} == {999}
+    choices = [c for e in events for c in e["choices"]]
+    if want_ids:  # each token's id once, the prompt's once, in the first event
+        assert [t for c in choices for t in c.get("token_ids") or []] == want
+        prompts = [x for e in events for x in (e, *e["choices"]) if x.get("prompt_token_ids")]
+        assert len(prompts) == 1 and prompts[0] in (events[0], events[0]["choices"][0])
+    else:
+        assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None
+                   for c in choices)  # the client asked for none
+    if chat:
+        assert choices[0]["delta"]["role"] == "assistant"
+        assert sum(1 for c in choices if c["delta"].get("role")) == 1  # D's role event dropped
+    assert choices[-1]["finish_reason"] == "length"
+    [(_, pb)] = p.received
+    assert pb["return_token_ids"] is True and pb["max_tokens"] == 1
+    assert metric(app, "kvferry_router_first_token_total", result="sent") == 1
+    assert metric(app, "kvferry_router_first_token_total", result="spliced") == 1
+    assert metric(app, "kvferry_router_migrations_total", result="ok") == 0
+
+
+def test_push_first_token_mismatch_continues_from_p_token(fleet) -> None:
+    """D's token 1 is not P's (a near-tie): the client keeps P's token, and the stream goes
+    on from prompt + that token, on the same D (it is not broken)."""
+    url, p, ds, app = fleet(n_d=1, **PUSH_KV)
+    p.token_one_shift = 1
+    ds[0].first_delay_s = 0.3
+    events, _ = timed_stream(url, {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    t1 = greedy(PROMPT, 1)[0] + 1
+    assert tokens_of(events) == [t1, *greedy(PROMPT + [t1], 5)]
+    (_, first), (_, cont_p) = p.received
+    assert cont_p["prompt"] == PROMPT + [t1] and cont_p["max_tokens"] == 1
+    assert [path for path, _ in ds[0].received] == ["completions", "completions"]
+    assert ds[0].received[1][1]["max_tokens"] == 5
+    assert metric(app, "kvferry_router_first_token_total", result="mismatch") == 1
+    assert metric(app, "kvferry_router_migrations_total", result="ok") == 1
+    assert metric(app, "kvferry_router_upstream_healthy", role="decode",
+                  upstream=app.state.pools["decode"].upstreams[0].url) == 1
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 0.7}, {}, {"temperature": 0, "stop": ["t"]},
+                                   {"temperature": 0, "logprobs": 1},
+                                   {"temperature": 0, "header": "decode"}])
+def test_push_first_token_only_for_greedy_continuable_streams(fleet, extra: dict) -> None:
+    """Sampling, no temperature (the model's default), stop strings, logprobs, or the
+    client's `x-kvferry-first-token: decode`: D's stream as it comes."""
+    url, p, ds, app = fleet(n_d=1, **PUSH_KV)
+    ds[0].first_delay_s = 0.2
+    extra = dict(extra)
+    header = extra.pop("header", None)
+    events, _ = timed_stream(url, {"prompt": PROMPT, "max_tokens": 4, **extra},
+                             headers={"x-kvferry-first-token": header} if header else None)
+    assert tokens_of(events) == greedy(PROMPT, 4)
+    assert "return_token_ids" not in p.received[0][1]
+    assert metric(app, "kvferry_router_first_token_total", result="sent") == 0
+
+
+def test_push_first_token_later_than_d_leaves_d_stream_alone(fleet) -> None:
+    url, p, ds, app = fleet(n_d=1, **PUSH_KV)
+    p.answer_delay_s = 0.3  # D streams everything before P answers
+    events, _ = timed_stream(url, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert tokens_of(events) == greedy(PROMPT, 4)
+    assert metric(app, "kvferry_router_first_token_total", result="sent") == 0
+    assert metric(app, "kvferry_router_first_token_total", result="spliced") == 0

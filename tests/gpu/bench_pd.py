@@ -88,6 +88,9 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
         targets = ([f"kvferry-push-layerwise={s.router},impl=kvferry,mode=push_layerwise,"
                     "x-kvferry-mode=push"] if layerwise else
                    [f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
+                    # the same push with D's own first token (router/first_token.py)
+                    f"kvferry-push-d-token={s.router},impl=kvferry,mode=push,"
+                    "x-kvferry-mode=push,x-kvferry-first-token=decode",
                     f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
                     f"colocated={s.prefill.url},impl=colocated,mode=colocated"])
         for qps in args.qps.split(","):
