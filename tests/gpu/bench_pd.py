@@ -175,6 +175,12 @@ def push_timeline(raw: Path, texts: list[str]) -> list[dict]:
             for event, key in (("client_sent", "sent_unix"), ("client_first_byte", "first_unix")):
                 if r.get(key) is not None:
                     marks[tid][event] = r[key]
+    if (per_request := os.environ.get("KVFERRY_TIMELINE_REQUESTS")):  # every request's marks
+        with open(per_request, "a") as f:
+            for (target, input_len, qps), g in sorted(groups.items()):
+                for tid, m in g.items():
+                    f.write(json.dumps({"target": target, "input_len": input_len, "qps": qps,
+                                        "transfer_id": tid, **m}) + "\n")
     out = []
     for (target, input_len, qps), g in sorted(groups.items()):
         hand = sorted(m.pop("client_handoff_ms") for m in g.values())
