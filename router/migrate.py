@@ -8,6 +8,8 @@ A break is D's connection failing, D's in-band error event, or its answer ending
   structured output, stop strings, ...): the client gets an SSE error event and [DONE].
 - D had finished (its last chunk passed) but the stream had not: the router ends it.
 - Nothing reached the client yet: the original request goes to a fresh pair.
+- D's token 1 was not P's, which the client already has (push, first_token.py): the
+  stream moves on as below, the same D allowed (it is not broken).
 - Else a pull prefill of prompt + the tokens sent (`resume.continuation_body`) on the
   least-loaded P (retried on another P, `prefill.py`), then that P's KV to the least-loaded D not
   yet failed in this stream. A D that refuses is skipped; no D or P left: an SSE error
