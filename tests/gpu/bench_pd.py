@@ -109,12 +109,12 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
         print("P counters:", {k: st[k] for k in ("writes_done", "writes_failed", "layered_writes",
                                                  "layers_posted_early", "layer_batches")},
               flush=True)
-        report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines])
-    out = Path(args.out).with_suffix(".timeline.jsonl")
     meta = {"experiment": "push_timeline", "impl": "kvferry", "hardware": args.hardware,
             "model": args.shape, "command": shlex.join([sys.executable, *sys.argv]),
             "commit": git_commit()[0], "date": time.strftime("%Y-%m-%d"),
             "detokenize_window": window}
+    report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines], meta)
+    out = Path(args.out).with_suffix(".timeline.jsonl")
     with out.open("a") as f:
         for line in report + engine_means:
             print("push timeline:", line, flush=True)
@@ -161,7 +161,7 @@ def means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, 
     return out
 
 
-def push_timeline(raw: Path, texts: list[str]) -> list[dict]:
+def push_timeline(raw: Path, texts: list[str], meta: dict) -> list[dict]:
     """Median gaps between a push request's events (connectors/protocol/timeline.py), per bench
     point: which part of the handoff is the WRITE, a notification, an engine step."""
     marks = timeline.parse(ln for text in texts for ln in text.splitlines())
@@ -179,7 +179,8 @@ def push_timeline(raw: Path, texts: list[str]) -> list[dict]:
         with open(per_request, "a") as f:
             for (target, input_len, qps), g in sorted(groups.items()):
                 for tid, m in g.items():
-                    f.write(json.dumps({"target": target, "input_len": input_len, "qps": qps,
+                    f.write(json.dumps({**meta, "experiment": "push_timeline_requests",
+                                        "target": target, "input_len": input_len, "qps": qps,
                                         "transfer_id": tid, **m}) + "\n")
     out = []
     for (target, input_len, qps), g in sorted(groups.items()):
