@@ -109,11 +109,12 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
         print("P counters:", {k: st[k] for k in ("writes_done", "writes_failed", "layered_writes",
                                                  "layers_posted_early", "layer_batches")},
               flush=True)
-    meta = {"experiment": "push_timeline", "impl": "kvferry", "hardware": args.hardware,
-            "model": args.shape, "command": shlex.join([sys.executable, *sys.argv]),
-            "commit": git_commit()[0], "date": time.strftime("%Y-%m-%d"),
-            "detokenize_window": window}
-    report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines], meta)
+        meta = {"experiment": "push_timeline", "impl": "kvferry", "hardware": args.hardware,
+                "model": args.shape, "command": shlex.join([sys.executable, *sys.argv]),
+                "commit": git_commit()[0], "date": time.strftime("%Y-%m-%d"),
+                "detokenize_window": window}
+        report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines],
+                               meta)
     out = Path(args.out).with_suffix(".timeline.jsonl")
     with out.open("a") as f:
         for line in report + engine_means:
