@@ -7,6 +7,11 @@ block_size, 2*head_dim). D READs 4 / 64 / 1024 contiguous blocks of every layer 
 descriptor per block and layer) to show what merging buys. The baseline is torch copying
 the same slices GPU0 -> GPU1 (peer copy over NVLink) in one process.
 
+`--one-gpu` puts both processes on GPU 0 (UCX cuda_ipc within one device, no torch
+baseline), `--op write` moves the blocks the other way as a push WRITE, and
+`--unmerged-max` raises the block count also moved one descriptor per block and layer:
+what a WRITE costs when vLLM's block ids on P and D do not advance together.
+
     python -m kvferry.scripts.xferbench --out benchmarks/results/transfer-h200x2-DATE.jsonl
 
 Also runs on CPU (`--device cpu`, DRAM, small sizes) as a smoke test.
@@ -44,7 +49,7 @@ def _backend(device: str):
     return CpuBackend() if device == "cpu" else CudaBackend()
 
 
-def _target(conn, device: str, num_blocks: int, layers: int) -> None:
+def _target(conn, device: str, num_blocks: int, layers: int, fill: bool = True) -> None:
     import torch
 
     from kvferry.connectors.transfer.transport import Transport
@@ -53,7 +58,7 @@ def _target(conn, device: str, num_blocks: int, layers: int) -> None:
         torch.cuda.set_device(0)
         device = "cuda:0"
     torch.manual_seed(0)
-    caches = _caches(torch, device, num_blocks, layers, fill=True)
+    caches = _caches(torch, device, num_blocks, layers, fill=fill)
     layout = _backend(device).describe(caches, num_blocks, BLOCK)
     tp = Transport(layout, name="xfer-target")
     conn.send((tp.metadata(), layout.to_wire()))
@@ -85,17 +90,18 @@ def _recv(conn, proc, timeout: float = 120.0):
 
 
 def _time_reads(tp, peer, ids: list[int], iters: int, merge: bool,
-                timeout: float = 30.0, lanes: int = 1) -> tuple[list[float], Any]:
+                timeout: float = 30.0, lanes: int = 1, op: str = "READ") -> tuple[list[float], Any]:
     times, xfer = [], None
     for i in range(iters + 2):
         t0 = time.perf_counter()
-        xfer = tp.start("READ", peer, ids, ids, merge=merge, lanes=lanes)
+        xfer = (tp.start(op, peer, ids, ids, merge=merge, lanes=lanes) if op == "READ" else
+                tp.start(op, peer, ids, ids, b"", merge=merge))
         while tp.poll(xfer) == "PROC":
             if time.perf_counter() - t0 > timeout:
                 tp.release(xfer)
-                raise TimeoutError(f"READ of {len(ids)} blocks not done after {timeout}s")
+                raise TimeoutError(f"{op} of {len(ids)} blocks not done after {timeout}s")
         if xfer.state != "DONE":
-            raise RuntimeError(f"READ ended {xfer.state}")
+            raise RuntimeError(f"{op} ended {xfer.state}")
         if i >= 2:  # two warm-ups
             times.append(time.perf_counter() - t0)
     return times, xfer
@@ -133,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--lanes", default="1", help="comma list: concurrent NIXL requests per READ")
     ap.add_argument("--hardware", default="h200x2")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="both processes on GPU 0 (UCX cuda_ipc within one device)")
+    ap.add_argument("--op", default="read", choices=["read", "write"],
+                    help="write: the initiator WRITEs its blocks into the target's")
+    ap.add_argument("--unmerged-max", type=int, default=64,
+                    help="the largest block count also moved one descriptor per block and layer")
     args = ap.parse_args(argv)
+    op = args.op.upper()
     counts = [int(x) for x in args.blocks.split(",")]
     lane_list = [int(x) for x in args.lanes.split(",")]
 
@@ -145,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(there, args.device, args.num_blocks, args.layers))
+    proc = ctx.Process(target=_target, args=(there, args.device, args.num_blocks, args.layers,
+                                             op == "READ"))
     proc.start()
     _log("target started")
-    dev = "cpu" if args.device == "cpu" else "cuda:1"
+    dev = "cpu" if args.device == "cpu" else "cuda:0" if args.one_gpu else "cuda:1"
     if dev != "cpu":
-        torch.cuda.set_device(1)
-    caches = _caches(torch, dev, args.num_blocks, args.layers, fill=False)
+        torch.cuda.set_device(dev)
+    caches = _caches(torch, dev, args.num_blocks, args.layers, fill=op == "WRITE")
     layout = _backend(dev).describe(caches, args.num_blocks, BLOCK)
     tp = Transport(layout, name="xfer-initiator")
     _log(f"initiator registered {len(layout.regions)} regions")
@@ -162,20 +176,27 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     commit = os.environ.get("KVFERRY_COMMIT", "")
     command = " ".join(["python", "-m", "kvferry.scripts.xferbench", *(argv or sys.argv[1:])])
-    base = {"experiment": "transfer", "hardware": args.hardware, "model": "qwen3-32b-kv",
-            "layers": args.layers, "block_tokens": BLOCK, "command": command, "commit": commit,
+    model = {64: "qwen3-32b-kv", 36: "qwen3-8b-kv", 28: "qwen3-0.6b-kv"}.get(  # 8 KV heads x 128
+        args.layers, f"kv-{args.layers}-layers")
+    base = {"experiment": "transfer", "hardware": args.hardware, "model": model,
+            "layers": args.layers, "block_tokens": BLOCK, "same_device": args.one_gpu,
+            "command": command, "commit": commit,
             "date": datetime.date.today().isoformat()}
     ok = True
     for n in counts:
         ids = list(range(n))
         for merge, lanes in [(True, x) for x in lane_list] + [(False, 1)]:
-            if not merge and n > 64:
+            if not merge and n > args.unmerged_max:
                 continue  # unmerged 1024-block reads: 131k descriptors, minutes; 64 shows the point
-            _log(f"READ {n} blocks merge={merge} lanes={lanes}")
-            times, xfer = _time_reads(tp, peer, ids, args.iters if merge else 3, merge, lanes=lanes)
+            if op == "WRITE" and lanes > 1:
+                continue
+            _log(f"{op} {n} blocks merge={merge} lanes={lanes}")
+            times, xfer = _time_reads(tp, peer, ids, args.iters if merge else 3, merge, lanes=lanes,
+                                      op=op)
             med = statistics.median(times)
-            mode = "pull" if lanes == 1 else f"pull_lanes{lanes}"
-            row = {**base, "impl": "kvferry", "mode": mode if merge else "pull_unmerged",
+            verb = "pull" if op == "READ" else "push"
+            mode = verb if lanes == 1 else f"{verb}_lanes{lanes}"
+            row = {**base, "impl": "kvferry", "mode": mode if merge else f"{verb}_unmerged",
                    "lanes": lanes, "blocks": n, "bytes": xfer.nbytes, "descriptors": xfer.ndesc,
                    "ms_p50": round(med * 1e3, 3), "gbps": round(xfer.nbytes / med / 1e9, 1)}
             results.append(row)
@@ -190,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     proc.join(timeout=60)
     tp.close()
     del caches
-    if args.device != "cpu":
+    if args.device != "cpu" and not args.one_gpu:
         torch.cuda.empty_cache()
         _log("torch peer copy")
         peer_times = _peer_copy(torch, args.num_blocks, args.layers, counts, args.iters)

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -85,14 +86,15 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
         # 0: vLLM's detokenizer primes with the whole prompt (connectors/detokenizer_window.py)
         window = {e.role: e.metric(WINDOW_METRIC) for e in (s.prefill, s.decode)}
         print("detokenizer window:", window, flush=True)
-        targets = ([f"kvferry-push-layerwise={s.router},impl=kvferry,mode=push_layerwise,"
+        bs = f"-bs{args.block_size}" if args.block_size else ""
+        targets = ([f"kvferry-push-layerwise{bs}={s.router},impl=kvferry,mode=push_layerwise,"
                     "x-kvferry-mode=push"] if layerwise else
-                   [f"kvferry-push={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
+                   [f"kvferry-push{bs}={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
                     # the same push with D's own first token (router/first_token.py)
-                    f"kvferry-push-d-token={s.router},impl=kvferry,mode=push,"
+                    f"kvferry-push-d-token{bs}={s.router},impl=kvferry,mode=push,"
                     "x-kvferry-mode=push,x-kvferry-first-token=decode",
-                    f"kvferry-pull={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
-                    f"colocated={s.prefill.url},impl=colocated,mode=colocated"])
+                    f"kvferry-pull{bs}={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",
+                    f"colocated{bs}={s.prefill.url},impl=colocated,mode=colocated"])
         for qps in args.qps.split(","):
             for target in targets:
                 before = {e.role: scrape(e.url) for e in (s.prefill, s.decode)}
@@ -105,6 +107,7 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
         for e in (s.prefill, s.decode):
             lines = [ln for ln in e.log().splitlines() if "kvferry WRITE" in ln or "kvferry READ" in ln]
             print(e.role, len(lines), "transfers; last:", lines[-2:], flush=True)
+        outputs = check_outputs(s, args, targets)
         st = s.prefill.stats()
         print("P counters:", {k: st[k] for k in ("writes_done", "writes_failed", "layered_writes",
                                                  "layers_posted_early", "layer_batches")},
@@ -115,11 +118,124 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
                 "detokenize_window": window}
         report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines],
                                meta)
+        report += write_costs(raw, s.prefill.log())
+        report.append({"experiment": "outputs_identical", **outputs,
+                       "router_counters": router_counters(s.router)})
     out = Path(args.out).with_suffix(".timeline.jsonl")
     with out.open("a") as f:
         for line in report + engine_means:
             print("push timeline:", line, flush=True)
             f.write(json.dumps({**meta, **line}) + "\n")
+
+
+def _stream(url: str, body: dict, headers: dict[str, str]) -> tuple[list[int], str]:
+    """One streamed completion: its token ids and text, as the client sees them."""
+    ids: list[int] = []
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
+                      timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:]).get("choices") or []:
+                text += c.get("text") or ""
+                ids += c.get("token_ids") or []
+    return ids, text
+
+
+def check_outputs(s, args, targets: list[str], n: int = 4) -> dict:
+    """Greedy outputs through each target vs P serving the same prompt alone, one request
+    at a time (issue #20: outputs identical). Token ids and text of ``n`` prompts of the
+    run's longest input length; the router's counters say which ones P's token 1 served."""
+    from kvferry.scripts.bench_core import make_prompt, request_body
+
+    model = httpx.get(s.prefill.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    length = max(int(x) for x in args.input_len.split(","))
+    paths = {}
+    for t in targets:
+        name, rest = t.split("=", 1)
+        url, *opts = rest.split(",")
+        paths[name] = (url, {k: v for k, v in (o.split("=", 1) for o in opts)
+                             if k.startswith("x-")})
+    paths = {k: v for k, v in paths.items() if not k.startswith("colocated")}
+    paths["colocated"] = (s.prefill.url, {})
+    out: dict = {"prompts": n, "input_len": length, "output_len": args.output_len}
+    got: dict[str, list[tuple[list[int], str]]] = {k: [] for k in paths}
+    for i in range(n):
+        body = request_body(make_prompt(f"outputs:{i}", length, SHAPES[args.shape].vocab_size),
+                            args.output_len, model, token_ids=True)
+        for name, (url, headers) in paths.items():
+            got[name].append(_stream(url, body, headers))
+    want = got.pop("colocated")
+    for name, outs in got.items():
+        first_diff = [next((j for j, (a, b) in enumerate(zip(g[0], w[0], strict=False))
+                            if a != b),
+                           None if len(g[0]) == len(w[0]) else min(len(g[0]), len(w[0])))
+                      for g, w in zip(outs, want, strict=True)]
+        out[name] = {"identical_ids": sum(d is None and len(g[0]) > 0
+                                          for d, g in zip(first_diff, outs, strict=True)),
+                     "identical_text": sum(g[1] == w[1] for g, w in zip(outs, want, strict=True)),
+                     "first_diff_at": first_diff,
+                     "tokens": [len(g[0]) for g in outs]}
+    print("outputs vs colocated:", out, flush=True)
+    return out
+
+
+ROUTER_FAMILIES = ("kvferry_router_first_token", "kvferry_router_migrations",
+                   "kvferry_router_retries", "kvferry_router_errors",
+                   "kvferry_router_push_prefill_failures")
+
+
+def router_counters(url: str) -> dict[str, float]:
+    """The router's first-token, migration, retry and error counters, by label set."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if fam.name in ROUTER_FAMILIES:
+            for smp in fam.samples:
+                if smp.name.endswith("_total"):
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()))
+                    out[f"{smp.name}{{{labels}}}"] = smp.value
+    return out
+
+
+_WRITE = re.compile(r"kvferry WRITE (\S+): (\d+) B in (\d+) descriptors, ([\d.]+) ms; "
+                    r"done ([\d.na]+) ms after")
+
+
+def write_costs(raw: Path, p_log: str) -> list[dict]:
+    """Per bench point, P's completed WRITEs: descriptors, bytes and time (post -> done);
+    across all of the stack's WRITEs, a least-squares cost per descriptor and per GB; where a WRITE's time
+    goes (issue #20: the layer-wise WRITEs that completed ~200 ms late)."""
+    import numpy as np
+
+    writes = {m[1]: (int(m[2]), int(m[3]), float(m[4])) for m in _WRITE.finditer(p_log)}
+    groups: dict[tuple, list[tuple[int, int, float]]] = {}
+    for ln in raw.read_text().splitlines() if raw.exists() else []:
+        r = json.loads(ln)
+        tid = (r.get("headers") or {}).get("x-kvferry-transfer-id")
+        if tid in writes:
+            groups.setdefault((r["target"], r["input_len"], r["qps"]), []).append(writes[tid])
+    out = []
+    for (target, input_len, qps), ws in sorted(groups.items()):
+        b, d, ms = (np.array(x, dtype=float) for x in zip(*ws, strict=True))
+        out.append({"experiment": "write_cost", "target": target, "input_len": input_len,
+                    "qps": qps, "writes": len(ws),
+                    "descriptors_p50": float(np.median(d)), "bytes_p50": float(np.median(b)),
+                    "write_ms_p50": round(float(np.median(ms)), 2),
+                    "write_ms_p90": round(float(np.percentile(ms, 90)), 2)})
+    every = [w for ws in groups.values() for w in ws]
+    if len(every) >= 4 and len({w[1] for w in every}) > 1:  # descriptor counts that vary
+        b, d, ms = (np.array(x, dtype=float) for x in zip(*every, strict=True))
+        fit = np.linalg.lstsq(np.stack([d, b / 1e9, np.ones_like(d)], 1), ms, rcond=None)[0]
+        out.append({"experiment": "write_cost_fit", "writes": len(every),
+                    "targets": sorted({k[0] for k in groups}),
+                    "us_per_descriptor": round(float(fit[0]) * 1e3, 3),
+                    "ms_per_gb": round(float(fit[1]), 3), "ms_fixed": round(float(fit[2]), 3),
+                    "model": "write_ms = descriptors*us/1e3 + GB*ms_per_gb + ms_fixed"})
+    return out
 
 
 HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft",  # API server: arrival -> first token
@@ -222,6 +338,9 @@ def main() -> int:
     ap.add_argument("--layerwise", action="store_true",
                     help="then a second kvferry stack with layer-wise push (push only)")
     ap.add_argument("--only-layerwise", action="store_true", help="only that stack")
+    ap.add_argument("--block-size", type=int, default=0,
+                    help="engines' KV block size in tokens (vLLM's default if 0); kvferry "
+                         "targets are named with -bs<N>")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = str(write_model(tmp / args.shape, args.shape))
@@ -232,6 +351,8 @@ def main() -> int:
                        *shared_device_args(40))  # the second engine's free-memory check too
     if args.backend == "cpu":
         engine_args = ("--max-model-len", "4096", "--no-enable-prefix-caching")
+    if args.block_size:  # fewer, larger blocks: fewer WRITE descriptors (issue #20)
+        engine_args += ("--block-size", str(args.block_size))
     if not args.only_vllm and not args.only_layerwise:
         run_kvferry(args, model, tmp, engine_args)
     if not args.only_vllm and (args.layerwise or args.only_layerwise):
