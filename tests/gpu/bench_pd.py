@@ -234,7 +234,7 @@ def write_costs(raw: Path, p_log: str) -> list[dict]:
                     "targets": sorted({k[0] for k in groups}),
                     "us_per_descriptor": round(float(fit[0]) * 1e3, 3),
                     "ms_per_gb": round(float(fit[1]), 3), "ms_fixed": round(float(fit[2]), 3),
-                    "model": "write_ms = descriptors*us/1e3 + GB*ms_per_gb + ms_fixed"})
+                    "formula": "write_ms = descriptors*us/1e3 + GB*ms_per_gb + ms_fixed"})
     return out
 
 
