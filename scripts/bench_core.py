@@ -159,6 +159,8 @@ class Result:
     scheduled: float = 0.0  # planned send time (perf_counter)
     sent: float = 0.0
     first: float | None = None  # first chunk carrying a token
+    second: float | None = None  # the next chunk carrying a token
+    tokens_by_second: int | None = None  # tokens the stream had delivered with that chunk
     last: float | None = None  # last chunk carrying a token
     end: float | None = None  # stream finished ([DONE] or close)
     n_tokens: int = 0
@@ -187,6 +189,21 @@ class Result:
         return (self.last - self.first) * 1e3 / (self.n_tokens - 1)
 
     @property
+    def t2_ms(self) -> float | None:
+        """Send -> the second chunk carrying a token: when decoding visibly goes on (a first
+        token sent early, e.g. P's, moves TTFT but not this)."""
+        return None if self.second is None else (self.second - self.sent) * 1e3
+
+    @property
+    def tpot_decode_ms(self) -> float | None:
+        """(last - second chunk) / the tokens after it: TPOT without the token-1 -> token-2
+        gap, which a first token sent early lengthens without slowing any later token."""
+        if self.second is None or self.last is None or self.tokens_by_second is None:
+            return None
+        after = self.n_tokens - self.tokens_by_second
+        return (self.last - self.second) * 1e3 / after if after >= 1 else None
+
+    @property
     def e2e_ms(self) -> float | None:
         return None if self.end is None else (self.end - self.sent) * 1e3
 
@@ -211,7 +228,8 @@ class Result:
             "target": self.target, "index": self.index, "turn": self.turn,
             "conversation": self.conversation, "prompt_len": self.prompt_len,
             "sent_ms": rel(self.sent), "first_ms": rel(self.first), "last_ms": rel(self.last),
-            "end_ms": rel(self.end), "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms,
+            "end_ms": rel(self.end), "second_ms": rel(self.second), "ttft_ms": self.ttft_ms,
+            "tpot_ms": self.tpot_ms, "tpot_decode_ms": self.tpot_decode_ms,
             "handoff_ms": self.handoff_ms, "prefill_ms": self.prefill_ms,
             "n_tokens": self.n_tokens, "cached_tokens": self.cached_tokens,
             "reused_tokens": self.reused_tokens, "reuse_reason": self.reuse_reason,
@@ -279,17 +297,21 @@ class StreamState:
             self.chunks += 1
             if self.res.first is None:
                 self.res.first = now
+            elif self.chunks == 2:
+                self.res.second = now
+                self.res.tokens_by_second = self._tokens()
             self.res.last = now
+
+    def _tokens(self) -> int:
+        """Tokens delivered so far: vLLM's running usage count, else token ids, else chunks."""
+        if self.usage_tokens is not None:
+            return self.usage_tokens
+        return len(self.ids) if self.saw_ids else self.chunks
 
     def finish(self, now: float) -> None:
         r = self.res
         r.end = now
-        if self.usage_tokens is not None:
-            r.n_tokens = self.usage_tokens
-        elif self.saw_ids:
-            r.n_tokens = len(self.ids)
-        else:
-            r.n_tokens = self.chunks
+        r.n_tokens = self._tokens()
         r.output_ids = self.ids if self.saw_ids else None
         if r.error is None and r.first is None:
             r.error = "no tokens in the stream"

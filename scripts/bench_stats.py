@@ -35,6 +35,8 @@ def latency_fields(results: Sequence[Result]) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     tpot = [r.tpot_ms for r in ok if r.tpot_ms is not None]
+    t2 = [r.t2_ms for r in ok if r.t2_ms is not None]
+    tpot_dec = [r.tpot_decode_ms for r in ok if r.tpot_decode_ms is not None]
     hand = [r.handoff_ms for r in ok if r.handoff_ms is not None]
     pre = [r.prefill_ms for r in ok if r.prefill_ms is not None]
     e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
@@ -49,6 +51,10 @@ def latency_fields(results: Sequence[Result]) -> dict[str, Any]:
         "ttft_ms_p99": _r(percentile(ttft, 99)),
         "ttft_ms_mean": _r(sum(ttft) / len(ttft)) if ttft else None,
         "tpot_ms_p50": _r(percentile(tpot, 50)), "tpot_ms_p90": _r(percentile(tpot, 90)),
+        # beside the schema: the second token's time, and TPOT from it on (Result.t2_ms)
+        "t2_ms_p50": _r(percentile(t2, 50)), "t2_ms_p90": _r(percentile(t2, 90)),
+        "tpot_decode_ms_p50": _r(percentile(tpot_dec, 50)),
+        "tpot_decode_ms_p90": _r(percentile(tpot_dec, 90)),
         "e2e_ms_p50": _r(percentile(e2e, 50)),
         "handoff_ms_p50": _r(percentile(hand, 50)), "handoff_ms_p90": _r(percentile(hand, 90)),
         "prefill_ms_p50": _r(percentile(pre, 50)),

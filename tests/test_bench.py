@@ -231,6 +231,7 @@ def test_ttft_tpot_handoff_against_known_delays(tmp_path: Path, fake: tuple[Time
         assert r.n_tokens == 5 and r.output_ids is not None and len(r.output_ids) == 5
         assert 135 <= r.ttft_ms < 230, r.ttft_ms
         assert 28 <= r.tpot_ms < 50, r.tpot_ms
+        assert 28 <= r.tpot_decode_ms < 50 and 28 <= r.t2_ms - r.ttft_ms < 50, r.record(0)
         assert 95 <= r.prefill_ms < 150
         assert 38 <= r.handoff_ms < 110, r.handoff_ms
         assert r.headers["x-kvferry-prefill"] == "fake-p"
@@ -244,6 +245,35 @@ def test_ttft_tpot_handoff_against_known_delays(tmp_path: Path, fake: tuple[Time
     assert line["n"] == 3 and line["errors"] == 0 and line["sustainable"]
     assert 135 <= line["ttft_ms_p50"] <= line["ttft_ms_p90"] < 230
     assert 38 <= line["handoff_ms_p50"] < 110
+    assert 28 <= line["tpot_decode_ms_p50"] < 50 and 165 <= line["t2_ms_p50"] < 280
+
+
+def test_second_token_and_decode_tpot_without_the_first_gap() -> None:
+    """A first token sent early (P's) lengthens the token-1 -> token-2 gap and so the
+    schema's TPOT; t2 and tpot_decode do not move with it."""
+    def stream(first_at: float, usage: bool) -> Result:
+        r = Result(target="t", index=0, prompt_len=4, sent=0.0)
+        st = StreamState(r)
+        for k, at in enumerate([first_at, 1.0, 1.1, 1.2, 1.3], start=1):
+            u = f', "usage": {{"completion_tokens": {k}}}' if usage else ""
+            st.feed(f'data: {{"choices": [{{"text": "x", "token_ids": [{k}]}}]{u}}}', at)
+        st.finish(1.3)
+        return r
+
+    late, early = stream(0.9, True), stream(0.5, False)  # D's token 1 / P's, token ids only
+    for r in (late, early):
+        assert r.n_tokens == 5 and r.tokens_by_second == 2
+        assert r.t2_ms == pytest.approx(1000) and r.tpot_decode_ms == pytest.approx(100)
+    assert late.tpot_ms == pytest.approx(100) and early.tpot_ms == pytest.approx(200)
+    merged = Result(target="t", index=0, prompt_len=4, sent=0.0)  # vLLM merged tokens 2-3
+    st = StreamState(merged)
+    for at, ids in ((0.5, [1]), (1.0, [2, 3]), (1.1, [4]), (1.2, [5])):
+        st.feed(f'data: {{"choices": [{{"text": "x", "token_ids": {ids}}}]}}', at)
+    st.finish(1.2)
+    assert merged.tokens_by_second == 3 and merged.tpot_decode_ms == pytest.approx(100)
+    assert merged.record(0.0)["second_ms"] == pytest.approx(1000)
+    line = latency_fields([late, early])
+    assert line["t2_ms_p50"] == pytest.approx(1000) and line["tpot_decode_ms_p50"] == pytest.approx(100)
 
 
 def test_helpers_fake_engine_chunk_counting(tmp_path: Path) -> None:

@@ -116,9 +116,10 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
                 "model": args.shape, "command": shlex.join([sys.executable, *sys.argv]),
                 "commit": git_commit()[0], "date": time.strftime("%Y-%m-%d"),
                 "detokenize_window": window}
+        writes = p_writes(s.prefill.log())
         report = push_timeline(raw, [s.prefill.log(), s.decode.log(), *ROUTER_MARKS.lines],
-                               meta)
-        report += write_costs(raw, s.prefill.log())
+                               meta, writes)
+        report += write_costs(raw, writes)
         report.append({"experiment": "outputs_identical", **outputs,
                        "router_counters": router_counters(s.router)})
     out = Path(args.out).with_suffix(".timeline.jsonl")
@@ -205,13 +206,17 @@ _WRITE = re.compile(r"kvferry WRITE (\S+): (\d+) B in (\d+) descriptors, ([\d.]+
                     r"done ([\d.na]+) ms after")
 
 
-def write_costs(raw: Path, p_log: str) -> list[dict]:
+def p_writes(p_log: str) -> dict[str, tuple[int, int, float]]:
+    """Transfer id -> (bytes, descriptors, ms from post to done) of P's completed WRITEs."""
+    return {m[1]: (int(m[2]), int(m[3]), float(m[4])) for m in _WRITE.finditer(p_log)}
+
+
+def write_costs(raw: Path, writes: dict[str, tuple[int, int, float]]) -> list[dict]:
     """Per bench point, P's completed WRITEs: descriptors, bytes and time (post -> done);
     across all of the stack's WRITEs, a least-squares cost per descriptor and per GB; where a WRITE's time
     goes (issue #20: the layer-wise WRITEs that completed ~200 ms late)."""
     import numpy as np
 
-    writes = {m[1]: (int(m[2]), int(m[3]), float(m[4])) for m in _WRITE.finditer(p_log)}
     groups: dict[tuple, list[tuple[int, int, float]]] = {}
     for ln in raw.read_text().splitlines() if raw.exists() else []:
         r = json.loads(ln)
@@ -278,7 +283,8 @@ def means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, 
     return out
 
 
-def push_timeline(raw: Path, texts: list[str], meta: dict) -> list[dict]:
+def push_timeline(raw: Path, texts: list[str], meta: dict,
+                  writes: dict[str, tuple[int, int, float]] | None = None) -> list[dict]:
     """Median gaps between a push request's events (connectors/protocol/timeline.py), per bench
     point: which part of the handoff is the WRITE, a notification, an engine step."""
     marks = timeline.parse(ln for text in texts for ln in text.splitlines())
@@ -296,9 +302,12 @@ def push_timeline(raw: Path, texts: list[str], meta: dict) -> list[dict]:
         with open(per_request, "a") as f:
             for (target, input_len, qps), g in sorted(groups.items()):
                 for tid, m in g.items():
+                    w = (writes or {}).get(tid)
+                    cost = {} if w is None else {"write_bytes": w[0], "write_descriptors": w[1],
+                                                 "write_ms": w[2]}
                     f.write(json.dumps({**meta, "experiment": "push_timeline_requests",
                                         "target": target, "input_len": input_len, "qps": qps,
-                                        "transfer_id": tid, **m}) + "\n")
+                                        "transfer_id": tid, **m, **cost}) + "\n")
     out = []
     for (target, input_len, qps), g in sorted(groups.items()):
         hand = sorted(m.pop("client_handoff_ms") for m in g.values())
