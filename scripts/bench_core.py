@@ -245,6 +245,7 @@ class StreamState:
         self.res = res
         self.chunks = 0  # chunks that carried a token
         self.ids: list[int] = []
+        self.text = ""  # the stream's text, as a client would show it
         self.saw_ids = False
         self.usage_tokens: int | None = None
         self.done = False
@@ -277,6 +278,7 @@ class StreamState:
             text = ch.get("text")
             if text is None and isinstance(ch.get("delta"), dict):
                 text = ch["delta"].get("content")
+            self.text += text or ""
             tids = ch.get("token_ids")
             if isinstance(tids, list):
                 self.saw_ids = True

@@ -89,13 +89,12 @@ def _recv(conn, proc, timeout: float = 120.0):
     return conn.recv()
 
 
-def _time_reads(tp, peer, ids: list[int], iters: int, merge: bool,
-                timeout: float = 30.0, lanes: int = 1, op: str = "READ") -> tuple[list[float], Any]:
+def _time_transfers(tp, peer, ids: list[int], iters: int, merge: bool, timeout: float = 30.0,
+                    lanes: int = 1, op: str = "READ") -> tuple[list[float], Any]:
     times, xfer = [], None
     for i in range(iters + 2):
         t0 = time.perf_counter()
-        xfer = (tp.start(op, peer, ids, ids, merge=merge, lanes=lanes) if op == "READ" else
-                tp.start(op, peer, ids, ids, b"", merge=merge))
+        xfer = tp.start(op, peer, ids, ids, merge=merge, lanes=lanes)
         while tp.poll(xfer) == "PROC":
             if time.perf_counter() - t0 > timeout:
                 tp.release(xfer)
@@ -189,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             if not merge and n > args.unmerged_max:
                 continue  # unmerged 1024-block reads: 131k descriptors, minutes; 64 shows the point
             if op == "WRITE" and lanes > 1:
-                continue
+                continue  # a WRITE is one request (Transport.start): lanes are READs only
             _log(f"{op} {n} blocks merge={merge} lanes={lanes}")
-            times, xfer = _time_reads(tp, peer, ids, args.iters if merge else 3, merge, lanes=lanes,
-                                      op=op)
+            times, xfer = _time_transfers(tp, peer, ids, args.iters if merge else 3, merge,
+                                          lanes=lanes, op=op)
             med = statistics.median(times)
             verb = "pull" if op == "READ" else "push"
             mode = verb if lanes == 1 else f"{verb}_lanes{lanes}"

@@ -184,6 +184,7 @@ def test_stream_parser_tokens_usage_prefill_field_and_errors() -> None:
     st.finish(2.8)
     r.sent = 0.5
     assert (r.first, r.last, r.end, r.n_tokens, st.chunks) == (2.0, 2.5, 2.8, 3, 2)
+    assert st.text == "ab"
     assert r.prefill_ms == 12.5 and r.cached_tokens == 2 and r.ok
     assert r.ttft_ms == pytest.approx(1500) and r.tpot_ms == pytest.approx(250)
     assert r.handoff_ms == pytest.approx(1487.5)

@@ -130,36 +130,38 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
 
 
 def _stream(url: str, body: dict, headers: dict[str, str]) -> tuple[list[int], str]:
-    """One streamed completion: its token ids and text, as the client sees them."""
-    ids: list[int] = []
-    text = ""
+    """One streamed completion through the bench's own parser: token ids and text."""
+    from kvferry.scripts.bench_core import Result, StreamState
+
+    st = StreamState(Result(target=url, index=0, prompt_len=len(body["prompt"])))
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
                       timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for c in json.loads(line[6:]).get("choices") or []:
-                text += c.get("text") or ""
-                ids += c.get("token_ids") or []
-    return ids, text
+            st.feed(line, 0.0)
+    if st.res.error:
+        raise RuntimeError(f"{url}: {st.res.error}")
+    return st.ids, st.text
+
+
+def _first_diff(got: list[int], want: list[int]) -> int | None:
+    """Index of the first token that differs (or where one stream ended); None if equal."""
+    if got == want:
+        return None
+    return next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                min(len(got), len(want)))
 
 
 def check_outputs(s, args, targets: list[str], n: int = 4) -> dict:
     """Greedy outputs through each target vs P serving the same prompt alone, one request
     at a time (issue #20: outputs identical). Token ids and text of ``n`` prompts of the
     run's longest input length; the router's counters say which ones P's token 1 served."""
-    from kvferry.scripts.bench_core import make_prompt, request_body
+    from kvferry.scripts.bench_core import make_prompt, parse_target, request_body
 
     model = httpx.get(s.prefill.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     length = max(int(x) for x in args.input_len.split(","))
-    paths = {}
-    for t in targets:
-        name, rest = t.split("=", 1)
-        url, *opts = rest.split(",")
-        paths[name] = (url, {k: v for k, v in (o.split("=", 1) for o in opts)
-                             if k.startswith("x-")})
-    paths = {k: v for k, v in paths.items() if not k.startswith("colocated")}
+    paths = {t.name: (t.url, dict(t.headers)) for t in
+             (parse_target(spec, "kvferry", "push") for spec in targets) if t.impl != "colocated"}
     paths["colocated"] = (s.prefill.url, {})
     out: dict = {"prompts": n, "input_len": length, "output_len": args.output_len}
     got: dict[str, list[tuple[list[int], str]]] = {k: [] for k in paths}
@@ -170,15 +172,12 @@ def check_outputs(s, args, targets: list[str], n: int = 4) -> dict:
             got[name].append(_stream(url, body, headers))
     want = got.pop("colocated")
     for name, outs in got.items():
-        first_diff = [next((j for j, (a, b) in enumerate(zip(g[0], w[0], strict=False))
-                            if a != b),
-                           None if len(g[0]) == len(w[0]) else min(len(g[0]), len(w[0])))
-                      for g, w in zip(outs, want, strict=True)]
+        pairs = list(zip(outs, want, strict=True))
+        diffs = [_first_diff(g[0], w[0]) for g, w in pairs]
         out[name] = {"identical_ids": sum(d is None and len(g[0]) > 0
-                                          for d, g in zip(first_diff, outs, strict=True)),
-                     "identical_text": sum(g[1] == w[1] for g, w in zip(outs, want, strict=True)),
-                     "first_diff_at": first_diff,
-                     "tokens": [len(g[0]) for g in outs]}
+                                          for d, (g, _) in zip(diffs, pairs, strict=True)),
+                     "identical_text": sum(g[1] == w[1] for g, w in pairs),
+                     "first_diff_at": diffs, "tokens": [len(g[0]) for g in outs]}
     print("outputs vs colocated:", out, flush=True)
     return out
 
@@ -206,6 +205,17 @@ _WRITE = re.compile(r"kvferry WRITE (\S+): (\d+) B in (\d+) descriptors, ([\d.]+
                     r"done ([\d.na]+) ms after")
 
 
+def _raw_points(raw: Path) -> list[tuple[tuple, str, dict]]:
+    """The bench's per-request lines that went through the router: ((target, input_len,
+    qps), transfer id, line)."""
+    out = []
+    for ln in raw.read_text().splitlines() if raw.exists() else []:
+        r = json.loads(ln)
+        if (tid := (r.get("headers") or {}).get("x-kvferry-transfer-id")):
+            out.append(((r["target"], r["input_len"], r["qps"]), tid, r))
+    return out
+
+
 def p_writes(p_log: str) -> dict[str, tuple[int, int, float]]:
     """Transfer id -> (bytes, descriptors, ms from post to done) of P's completed WRITEs."""
     return {m[1]: (int(m[2]), int(m[3]), float(m[4])) for m in _WRITE.finditer(p_log)}
@@ -213,16 +223,14 @@ def p_writes(p_log: str) -> dict[str, tuple[int, int, float]]:
 
 def write_costs(raw: Path, writes: dict[str, tuple[int, int, float]]) -> list[dict]:
     """Per bench point, P's completed WRITEs: descriptors, bytes and time (post -> done);
-    across all of the stack's WRITEs, a least-squares cost per descriptor and per GB; where a WRITE's time
-    goes (issue #20: the layer-wise WRITEs that completed ~200 ms late)."""
+    across all of the stack's WRITEs, a least-squares cost per descriptor and per GB: where
+    a WRITE's time goes (issue #20: the layer-wise WRITEs that completed ~200 ms late)."""
     import numpy as np
 
     groups: dict[tuple, list[tuple[int, int, float]]] = {}
-    for ln in raw.read_text().splitlines() if raw.exists() else []:
-        r = json.loads(ln)
-        tid = (r.get("headers") or {}).get("x-kvferry-transfer-id")
+    for point, tid, _ in _raw_points(raw):
         if tid in writes:
-            groups.setdefault((r["target"], r["input_len"], r["qps"]), []).append(writes[tid])
+            groups.setdefault(point, []).append(writes[tid])
     out = []
     for (target, input_len, qps), ws in sorted(groups.items()):
         b, d, ms = (np.array(x, dtype=float) for x in zip(*ws, strict=True))
@@ -289,11 +297,9 @@ def push_timeline(raw: Path, texts: list[str], meta: dict,
     point: which part of the handoff is the WRITE, a notification, an engine step."""
     marks = timeline.parse(ln for text in texts for ln in text.splitlines())
     groups: dict[tuple, dict[str, dict[str, float]]] = {}
-    for ln in raw.read_text().splitlines() if raw.exists() else []:
-        r = json.loads(ln)
-        tid = (r.get("headers") or {}).get("x-kvferry-transfer-id")
+    for point, tid, r in _raw_points(raw):
         if tid in marks and "dispatched" in marks[tid]:
-            groups.setdefault((r["target"], r["input_len"], r["qps"]), {})[tid] = marks[tid]
+            groups.setdefault(point, {})[tid] = marks[tid]
             marks[tid]["client_handoff_ms"] = r.get("handoff_ms") or float("nan")
             for event, key in (("client_sent", "sent_unix"), ("client_first_byte", "first_unix")):
                 if r.get(key) is not None:
