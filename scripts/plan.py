@@ -208,10 +208,12 @@ def plan(
     rhost = router_host or hosts[0]
     _check_no_port_clash(plans, rhost, router_port)
     engines = [e for p in plans for e in p.engines]
+    # One value per option (comma lists): `--prefill URL URL` is an extra argument to
+    # click, and a router started with nohup from the host script would never run.
     router = [
         "kvferry", "router", "--host", "0.0.0.0", "--port", str(router_port),
-        "--prefill", *[e.url for e in engines if e.role == "prefill"],
-        "--decode", *[e.url for e in engines if e.role == "decode"],
+        "--prefill", ",".join(e.url for e in engines if e.role == "prefill"),
+        "--decode", ",".join(e.url for e in engines if e.role == "decode"),
         "--prefill-kv", ",".join(f"{e.host}:{e.side_channel_port}" for e in engines
                                  if e.role == "prefill"),
         "--decode-control", ",".join(f"{e.host}:{e.spec.control_port}"

@@ -84,9 +84,9 @@ def test_trn2_multi_host_separate_roles_and_lnc1() -> None:
     assert all(e.env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0" for e in engines(plans))
     router = plans[0].router
     assert router[:2] == ["kvferry", "router"]
-    assert router[router.index("--prefill") + 1:router.index("--decode")] == \
+    assert router[router.index("--prefill") + 1].split(",") == \
         ["http://t0:8100", "http://t0:8101", "http://t1:8100"]
-    assert router[router.index("--decode") + 1:router.index("--prefill-kv")] == ["http://t2:8100"]
+    assert router[router.index("--decode") + 1] == "http://t2:8100"
     # push needs P's side channels; conversation reuse D's lease-control ports (after
     # each engine's TP-rank side-channel ports).
     tp_ranks = len(engines(plans)[0].devices)
