@@ -38,6 +38,7 @@ from .k8s_hardware import (
     hardware_sources,
     resource_claim_template,
 )
+from .k8s_images import ENGINE_PLACEHOLDER, ROUTER_PLACEHOLDER, role_images
 from .k8s_render import Manifest, kustomization
 from .k8s_settings import COMPONENT, PART_OF, POD_IP, K8sSettings, labels, name, secret_env
 from .neuron_env import neuron_prelude
@@ -92,7 +93,7 @@ def engine_deployment(s: K8sSettings, role: str, e: EnginePlan) -> dict[str, Any
     neuron = INSTANCES[s.instance_type].backend == "neuron"
     health = {"httpGet": {"path": "/health", "port": "http"}}
     container: dict[str, Any] = {
-        "name": "engine", "image": "kvferry",
+        "name": "engine", "image": ENGINE_PLACEHOLDER,
         "command": engine_command(e, neuron_prelude() if neuron else []),
         "env": engine_env(e),
         "ports": engine_ports(e),
@@ -177,7 +178,7 @@ def router_deployment(s: K8sSettings, plans: dict[str, EnginePlan]) -> dict[str,
                         "labelSelector": {"matchLabels": labels("router")},
                         "topologyKey": "kubernetes.io/hostname"}}]}},
                 "containers": [{
-                    "name": "router", "image": "kvferry",
+                    "name": "router", "image": ROUTER_PLACEHOLDER,
                     "command": router_argv(s, plans),
                     "env": [secret_env(SECRET_ENV, SECRET_ENV),
                             secret_env("KVFERRY_STATE_URL", "STATE_URL")],
@@ -317,6 +318,7 @@ def manifests(s: K8sSettings, secret_value: str) -> list[Manifest]:
 
 def render_all(s: K8sSettings, secret_value: str) -> list[Manifest]:
     files = manifests(s, secret_value)
-    return [kustomization(s.image, s.namespace, files), *files]
+    images = role_images(s.instance_type, s.image, s.router_image)
+    return [kustomization(images, s.namespace, files), *files]
 
 

@@ -42,15 +42,19 @@ class Manifest:
         return "\n".join(head) + "\n" + "---\n".join(docs)
 
 
-def kustomization(image: str, namespace: str, files: list[Manifest]) -> Manifest:
-    """Lists every file; the image is set here (`kustomize edit set image kvferry=...`)."""
-    entry: dict[str, str] = {"name": "kvferry", "newName": image}
-    if ":" in image.rsplit("/", 1)[-1]:  # repo[:port]/name:tag
-        entry["newName"], entry["newTag"] = image.rsplit(":", 1)
+def kustomization(images: dict[str, str], namespace: str, files: list[Manifest]) -> Manifest:
+    """Lists every file; each role's placeholder image is set here
+    (`kustomize edit set image kvferry-engine=...`)."""
+    entries = []
+    for placeholder, image in images.items():
+        entry: dict[str, str] = {"name": placeholder, "newName": image}
+        if ":" in image.rsplit("/", 1)[-1]:  # repo[:port]/name:tag
+            entry["newName"], entry["newTag"] = image.rsplit(":", 1)
+        entries.append(entry)
     return Manifest("kustomization.yaml", [{
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "namespace": namespace, "resources": [m.filename for m in files],
-        "images": [entry]}], ())
+        "images": entries}], ())
 
 
 def write_dir(out_dir: Path, files: list[Manifest]) -> list[Path]:

@@ -52,7 +52,8 @@ class K8sSettings:
 
     instance_type: str
     model: str
-    image: str = "kvferry:latest"
+    image: str | None = None  # engines; None: kvferry-cuda / kvferry-neuron (k8s_images)
+    router_image: str | None = None  # None: kvferry-router
     namespace: str = "kvferry"
     prefill: int = 1
     decode: int = 1

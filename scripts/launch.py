@@ -78,7 +78,11 @@ def launch(
         help="write HOST.sh scripts (or, with --target k8s, the Kustomize directory) here")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print commands only")] = False,
     target: Annotated[str, typer.Option(help="ssh (per-host scripts) | k8s (Kustomize dir)")] = "ssh",
-    image: Annotated[str, typer.Option(help="k8s: image with kvferry + vLLM")] = K8sSettings.image,
+    image: Annotated[str | None, typer.Option(
+        help="k8s: engine image (default by hardware: kvferry-cuda / kvferry-neuron:VERSION, "
+        "docker/*.Dockerfile)")] = None,
+    router_image: Annotated[str | None, typer.Option(
+        help="k8s: router image (default kvferry-router:VERSION, docker/router.Dockerfile)")] = None,
     namespace: Annotated[str, typer.Option(help="k8s: namespace")] = K8sSettings.namespace,
     neuron_devices: Annotated[str, typer.Option(
         help="k8s trn2: plugin (aws.amazon.com/neuron + vpc.amazonaws.com/efa) | dra "
@@ -95,6 +99,7 @@ def launch(
     --target k8s, a Kustomize directory (or, with --dry-run, its files on stdout)."""
     if target == "k8s":
         _launch_k8s(dict(instance_type=instance_type, model=model, image=image,
+                         router_image=router_image,
                          namespace=namespace, prefill=prefill, decode=decode, tp=tp,
                          decode_tp=decode_tp, lnc=lnc, nixl_backends=nixl_backend or None,
                          neuron_staging=neuron_staging,

@@ -352,7 +352,8 @@ def test_kubectl_kustomize_renders(case: str, tmp_path: Path) -> None:
     assert all(d["metadata"]["namespace"] == "serving" for d in docs)
     images = {c["image"] for d in docs if d["kind"] == "Deployment"
               for c in d["spec"]["template"]["spec"]["containers"]}
-    assert "123.dkr.ecr.aws/kvferry:0.1.0" in images and "kvferry" not in images
+    assert images == {"123.dkr.ecr.aws/kvferry:0.1.0", "kvferry-router:0.1.0",
+                      s.redis_image}  # each role's image, no placeholder left
     for d in docs:  # what kustomize emits still validates
         validate(d)
     assert re.search(r"kubectl|Kustomize", subprocess.run(
