@@ -179,8 +179,9 @@ def demo(
 
 
 BackendOpt = Annotated[str, typer.Option(help="cpu | cuda | neuron.")]
-ModelOpt = Annotated[Path | None, typer.Option(
-    "--model", help="Model dir (default: generate tiny into ./.kvferry/models/tiny).")]
+ModelOpt = Annotated[str | None, typer.Option(
+    "--model", help="Model dir, or a Hugging Face id (org/name) that vLLM downloads "
+    "(default: generate tiny into ./.kvferry/models/tiny).")]
 ConnectorOpt = Annotated[str, typer.Option(help="kvferry | vllm-nixl.")]
 ModeOpt = Annotated[str, typer.Option(help="pull | push.")]
 EngineArgOpt = Annotated[list[str] | None, typer.Option(

@@ -1,6 +1,7 @@
 """`kvferry up` / `kvferry run`: one prefill engine, one decode engine and the router on
 this machine, their command lines from the one engine builder (engines.py), supervised as
-process groups (no orphans) until Ctrl-C, SIGTERM, a death, or the demo's end."""
+process groups (no orphans) until SIGINT (Ctrl-C, or `kill -INT` of an `up` started with
+`&`, which a shell starts with SIGINT ignored), SIGTERM, SIGHUP, a death, or the demo's end."""
 
 from __future__ import annotations
 
@@ -40,7 +41,42 @@ DECODE_HTTP_PORT = 8200
 
 
 class Shutdown(Exception):
-    """Raised from SIGTERM/SIGHUP handlers so `finally` blocks stop the children."""
+    """Raised from the SIGINT/SIGTERM/SIGHUP handler so `finally` blocks stop the children."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Each stops `up` the same way. SIGINT too, explicitly: a background job (`kvferry up &`)
+starts with SIGINT ignored, which Python keeps, so without a handler `kill -INT` did nothing."""
+
+
+class ModelNotFound(ValueError):
+    """--model names neither a local model directory nor a Hugging Face model id."""
+
+
+def engine_model(model: str | None, dry_run: bool) -> str:
+    """--model as the engines get it: an existing local directory, resolved (absolute: the
+    engines' own cwd does not matter); a Hugging Face id (``org/name``) that is no local
+    path, unchanged (vLLM downloads it on a connected host); nothing: the generated tiny
+    model. Anything else is refused in one line before a process starts."""
+    if model is None:
+        path = STATE_DIR / "models" / "tiny"
+        if not dry_run:
+            write_model(path, "tiny", weights=True)
+        return str(path.resolve())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if path.exists():
+        raise ModelNotFound(f"--model {model}: not a directory (give the model's directory "
+                            "or a Hugging Face id)")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise ModelNotFound(f"--model {model}: no such directory, and not a Hugging Face "
+                            "model id (org/name)") from None
+    return model
 
 
 
@@ -105,7 +141,7 @@ def up_stack(
     extra_args: list[str],
     *,
     hardware_backend: str,
-    model_dir: Path | None,
+    model_dir: str | None,
     prefill_port: int,
     decode_port: int,
     router_port: int,
@@ -132,10 +168,11 @@ def up_stack(
         typer.echo("--share-device puts P and D on the same GPU: it needs --hardware-backend "
                    "cuda (NeuronCores and CPU cores are not shared)", err=True)
         return 2
-    if model_dir is None:
-        model_dir = STATE_DIR / "models" / "tiny"
-        if not dry_run:
-            write_model(model_dir, "tiny", weights=True)
+    try:
+        model = engine_model(model_dir, dry_run)
+    except ModelNotFound as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 2
     extra = tuple(a for chunk in engine_arg for a in shlex.split(chunk)) + tuple(extra_args)
     ports = {"prefill": prefill_port, "decode": decode_port}
     logs = STATE_DIR / "logs"
@@ -143,7 +180,7 @@ def up_stack(
     secret = deployment_secret()
     # TP per engine (devices, NeuronCores or CPU ranks); D may differ from P.
     tp = {"prefill": devices_per_engine, "decode": decode_devices or devices_per_engine}
-    specs = up_engines(str(model_dir.resolve()), hardware_backend, ports, tp, connector=connector,
+    specs = up_engines(model, hardware_backend, ports, tp, connector=connector,
                        mode=mode, max_model_len=max_model_len, ucx_tls=ucx_tls,
                        nixl_backends=nixl_backends or [], extra=extra,
                        share_device_gib=share_device_gib)
@@ -179,7 +216,7 @@ def up_stack(
         typer.echo(f"port(s) already in use: {busy}; stop what holds them or pick others", err=True)
         return 1
 
-    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
     try:
         for c in children:
             c.start()
@@ -215,16 +252,16 @@ def up_stack(
         typer.echo(f"startup failed: {exc}", err=True)
         return 1
     except (KeyboardInterrupt, Shutdown) as exc:
-        typer.echo(f"stopping ({type(exc).__name__} {exc})".strip(), err=True)
-        return 130 if isinstance(exc, KeyboardInterrupt) else 143
+        name = str(exc) if isinstance(exc, Shutdown) else "SIGINT"
+        typer.echo(f"stopping ({name})", err=True)
+        return 128 + signal.Signals[name].value
     finally:
         # Ignore further signals while stopping so a second Ctrl-C cannot leave orphans.
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         stop_all(children)
         for s, handler in old.items():
             signal.signal(s, handler)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         typer.echo("all processes stopped", err=True)
 
 

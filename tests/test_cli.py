@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -353,8 +354,12 @@ def _logs(root: Path) -> str:
                    for p in sorted((root / ".kvferry" / "logs").glob("*.log")))
 
 
-def test_up_stops_on_sigterm(tmp_path: Path) -> None:
-    """A real `kvferry up` process: SIGTERM stops it and its children (fake engines).
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_up_started_with_ampersand_stops_on_sigint_and_sigterm(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    """A real `kvferry up` process started as `kvferry up &` by a non-interactive shell
+    (which starts it with SIGINT ignored): SIGINT and SIGTERM each stop it and its
+    children (fake engines); the exit code is 128 + the signal's number.
 
     Robust under CPU load: the model dir is given (no tokenizer training or torch weight
     generation in the timed part; fake engines ignore it), start-up gets minutes, and a
@@ -368,28 +373,36 @@ def test_up_stops_on_sigterm(tmp_path: Path) -> None:
         "up_stack.engine_argv = lambda s: [sys.executable, h, str(s.port), s.role];"
         "sys.argv = ['kvferry', 'up', *sys.argv[3:]]; cli.main()"
     )
+    background = '"$@" & echo "up-pid $!"; wait $!'
+    probe = subprocess.run(["bash", "-c", "sleep 5 & grep SigIgn /proc/$!/status; kill $!"],
+                           capture_output=True, text=True, check=True).stdout
+    assert int(probe.split()[1], 16) & (1 << (signal.SIGINT - 1)), probe  # the premise
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, str(HELPERS.parent), str(HELPERS), *_ports(),
-         "--model", str(model_dir), "--startup-timeout", "240"],
+        ["bash", "-c", background, "bash", sys.executable, "-c", script, str(HELPERS.parent),
+         str(HELPERS), *_ports(), "--model", str(model_dir), "--startup-timeout", "240"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    up_pid = None
     try:
         lines = _read_until(proc, "running; Ctrl-C to stop", timeout_s=300)
         head = "".join(lines)
         assert "running; Ctrl-C to stop" in head, head + _logs(tmp_path)
+        up_pid = int(next(ln for ln in lines if ln.startswith("up-pid ")).split()[1])
         pids = [int(ln.split("pid ")[1].split(",")[0]) for ln in lines if ln.startswith("started")]
         assert len(pids) == 3, head
-        proc.send_signal(signal.SIGTERM)
+        os.kill(up_pid, sig)
         out = proc.communicate(timeout=60)[0]
     finally:
         if proc.poll() is None:  # failed early: stop `up` (and so its children), then wait
+            if up_pid is not None:
+                os.kill(up_pid, signal.SIGTERM)
             proc.terminate()
             try:
                 proc.communicate(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
-    assert proc.returncode == 143, head + out + _logs(tmp_path)
+    assert proc.returncode == 128 + sig, head + out + _logs(tmp_path)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
@@ -410,3 +423,45 @@ def test_dry_run_with_p_and_d_sharing_one_gpu(tmp_path: Path, monkeypatch: pytes
         assert "--gpu-memory-utilization 0.4" in cmd
     bad = runner.invoke(cli.app, ["up", "--dry-run", "--share-device", "30"])
     assert bad.exit_code == 2 and "--hardware-backend cuda" in bad.output
+
+
+def _engine_models(output: str) -> set[str]:
+    """The --model each engine line of `up --dry-run` passes to vLLM."""
+    models = set()
+    for line in output.splitlines():
+        words = shlex.split(line) if "vllm.entrypoints" in line else []
+        if words:
+            models.add(words[words.index("--model") + 1])
+    return models
+
+
+def test_up_passes_a_hub_id_to_vllm_as_an_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model Qwen/Qwen3-0.6B` (no such local dir) reaches vLLM as the id; a local dir
+    of the same shape wins and is passed absolute."""
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--model", "Qwen/Qwen3-0.6B"])
+    assert r.exit_code == 0, r.output
+    assert _engine_models(r.output) == {"Qwen/Qwen3-0.6B"}
+    (tmp_path / "Qwen" / "Qwen3-0.6B").mkdir(parents=True)
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--model", "Qwen/Qwen3-0.6B"])
+    assert _engine_models(r.output) == {str(tmp_path / "Qwen" / "Qwen3-0.6B")}
+
+
+@pytest.mark.parametrize("model", ["./models/missing", "/no/such/model", "a/b/c", "~/nope"])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_up_refuses_a_missing_local_model_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, dry_run: bool) -> None:
+    """A --model that is neither a directory nor a hub id: exit 2 and one line naming it,
+    before any process starts (engine_argv is never asked)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    asked: list[EngineSpec] = []
+    monkeypatch.setattr(up_stack, "engine_argv", lambda spec: asked.append(spec) or [])
+    r = runner.invoke(cli.app, ["up", "--model", model, *(["--dry-run"] if dry_run else []),
+                                *_ports()])
+    assert r.exit_code == 2 and not asked
+    (line,) = r.output.splitlines()
+    assert model in line
+    (tmp_path / "file").write_text("")
+    r = runner.invoke(cli.app, ["up", "--model", str(tmp_path / "file"), "--dry-run"])
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1 and not asked
