@@ -21,6 +21,14 @@ DEFAULT_LNC = 2
 """trn2's logical NeuronCore config: 2 physical cores per logical one (64 per host)."""
 P5EN_UCX_TLS = "srd,cuda_copy,cuda_ipc,sm,self"
 """UCX over EFA: the SRD transport (UCX >= 1.19) plus CUDA copy/IPC for local GPU memory."""
+# EFA needs no huge pages on either instance type: libfabric's EFA provider only backs its
+# internal bounce buffers with them when it can, and falls back to regular pages otherwise
+# (ofiwg/libfabric man/fi_efa.7.md FI_EFA_USE_HUGE_PAGE, "a small performance advantage";
+# prov/util/src/util_buf.c); the bulk KV moves are RDMA on registered KV memory. Neither AWS's
+# disagg_serve_vllm sample (trn2) nor llm-d's AWS guide (p5en) requests them. Off, so a pod
+# that requests none (its hugetlb cgroup limit 0) never maps a huge page it may not touch.
+EFA_ENV: dict[str, str] = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1",
+                           "FI_EFA_USE_HUGE_PAGE": "0"}
 
 
 @dataclass(frozen=True)
@@ -48,10 +56,10 @@ class InstanceSpec:
 
     def fabric_env(self, lnc: int, nixl_backends: list[str], shared: bool) -> dict[str, str]:
         """An engine's instance-type environment (the builder's ``env``): EFA only (no
-        silent tcp fallback) with device RDMA, no EFA shared memory between P and D on one
-        host, UCX over EFA, and on Neuron the plan's core numbering. Every Neuron variable
+        silent tcp fallback) with device RDMA and no huge pages (EFA_ENV), no EFA shared
+        memory between P and D on one host, UCX over EFA, and on Neuron the plan's core numbering. Every Neuron variable
         is accounted for in neuron_env.NEURON_ENV_VS_AWS_SAMPLE."""
-        env = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+        env = dict(EFA_ENV)
         if shared:  # Neuron engines always have it (neuron_env.neuron_engine_env)
             env["FI_EFA_ENABLE_SHM_TRANSFER"] = "0"
         if self.backend == "neuron":

@@ -17,7 +17,10 @@ at the top of each file) and k8s_render.py (files):
 - Redis (or ``--redis-url``), a Secret holding ``KVFERRY_SECRET`` (referenced through
   ``secretKeyRef`` only), PodDisruptionBudgets, NetworkPolicies, an optional
   ServiceMonitor, and on trn2 with ``--neuron-devices dra`` one ResourceClaimTemplate
-  per role (AWS's disagg_serve_vllm sample).
+  per role (AWS's disagg_serve_vllm sample);
+- per engine role a HorizontalPodAutoscaler, or a KEDA ScaledObject (``--autoscaler``), on
+  the engines' and router's metrics (k8s_autoscale.py); the Deployments then leave their
+  replica count to it.
 
 Validated offline against the Kubernetes JSON schemas of ``K8S_VERSION`` and the
 ServiceMonitor CRD (tests/test_k8s.py); never applied to a real cluster here.
@@ -32,6 +35,7 @@ from kvferry.connectors.protocol.params import SECRET_ENV
 
 from .engines import ROLES
 from .instances import INSTANCES
+from .k8s_autoscale import autoscaling_manifest
 from .k8s_hardware import (
     engine_pod_hardware,
     engine_resources,
@@ -123,11 +127,14 @@ def engine_deployment(s: K8sSettings, role: str, e: EnginePlan) -> dict[str, Any
         **hw,  # DRA claims, P/D anti-affinity
     }
     count = s.prefill if role == "prefill" else s.decode
+    # With an autoscaler the count is its minimum, and no replicas here: re-applying the
+    # files would otherwise reset what it scaled to (k8s-hpa).
+    replicas = {"replicas": count} if s.autoscaler == "none" else {}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": name(role), "labels": labels(role)},
         "spec": {
-            "replicas": count,
+            **replicas,
             "selector": {"matchLabels": labels(role)},
             # No spare accelerator node is assumed: replace pods one at a time in place.
             "strategy": {"type": "RollingUpdate",
@@ -252,7 +259,9 @@ def network_policies(s: K8sSettings) -> list[dict[str, Any]]:
     """Engines (HTTP, side channel, lease control, and the NIXL/UCX listeners, whose
     ports are ephemeral, hence all ports) and Redis accept only kvferry's own pods; the
     router accepts clients on its port. EFA's SRD traffic bypasses the kernel and so
-    these policies: the node's EFA security group bounds it (efa-eks)."""
+    these policies: the node's EFA security group bounds it (efa-eks). On EKS they are
+    enforced only where the VPC CNI's network policy agent is on (eks-netpol, written at
+    the top of the file): without it every pod accepts every peer."""
     kvferry_pods = {"podSelector": {"matchLabels": {PART_OF: "kvferry"}}}
     engine_sel = {"matchExpressions": [
         {"key": PART_OF, "operator": "In", "values": ["kvferry"]},
@@ -310,9 +319,12 @@ def manifests(s: K8sSettings, secret_value: str) -> list[Manifest]:
     if not s.redis_url:
         out.append(Manifest("redis.yaml", redis_objects(s)))
     out.append(Manifest("poddisruptionbudgets.yaml", pdbs(s)))
-    out.append(Manifest("networkpolicies.yaml", network_policies(s), ("k8s", "efa-eks")))
+    out.append(Manifest("networkpolicies.yaml", network_policies(s),
+                        ("k8s", "efa-eks", "eks-netpol")))
     if s.service_monitor:
         out.append(Manifest("servicemonitor.yaml", [service_monitor()], ("prom-operator",)))
+    if s.autoscaler != "none":
+        out.append(autoscaling_manifest(s))
     return out
 
 

@@ -1,12 +1,14 @@
 """What an engine pod asks of its trn2.48xlarge / p5en.48xlarge node on EKS: accelerators
-(device plugin or DRA claims), EFA devices, hugepages, cpu/memory, node selection, and P/D
+(device plugin or DRA claims), EFA devices, cpu/memory, node selection, and P/D
 (anti-)affinity; each setting names the public source it follows (k8s_settings.SOURCES).
+No hugepages: EFA on neither instance type needs them (libfabric-efa; instances.EFA_ENV
+turns their use off), and neither public sample requests them; a request would leave pods
+Pending on nodes that preallocate none.
 
 Assumed, not verified on a cluster: a pod's Neuron devices (device plugin or DRA) are
 numbered from 0 inside the container, as GPUs are (nvidia-dp), so the plan's
 NEURON_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES of a node-to-itself engine (0..TP-1) apply;
-trn2 has one EFA per Neuron device (the sample pairs 8 with 8); nodes preallocate 2 MiB
-hugepages; p5en fits the sample's per-node cpu/memory budget.
+trn2 has one EFA per Neuron device (the sample pairs 8 with 8); p5en fits the sample's per-node cpu/memory budget.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ EFA_PER_DEVICE: dict[str, int] = {"trn2.48xlarge": 1, "p5en.48xlarge": 2}
 # sample's cpu 90 / memory 900Gi for half a trn2.48xlarge (192 vCPU, 2 TiB). p5en.48xlarge
 # has the same vCPU and memory; the numbers are assumed to fit it too.
 NODE_CPU, NODE_MEMORY_GI = 180, 1800
-HUGEPAGES_2MI = "5120Mi"  # efa-eks: the node-efa example pod's hugepages-2Mi request
 
 
 def neuron_chips(spec: InstanceSpec, tp: int, lnc: int) -> int:
@@ -35,19 +36,18 @@ def neuron_chips(spec: InstanceSpec, tp: int, lnc: int) -> int:
 def hardware_sources(s: K8sSettings) -> tuple[str, ...]:
     """The SOURCES an engine Deployment of this instance type follows."""
     if INSTANCES[s.instance_type].backend == "neuron":
-        return ("neuron-dp", "neuron-sample", "efa-eks")
-    return ("nvidia-dp", "llm-d-p5en", "efa-eks")
+        return ("neuron-dp", "neuron-sample", "efa-eks", "libfabric-efa")
+    return ("nvidia-dp", "llm-d-p5en", "efa-eks", "libfabric-efa")
 
 
 def engine_resources(s: K8sSettings, tp: int) -> dict[str, Any]:
-    """Requests = limits (extended resources and hugepages must be): accelerators, EFA,
-    hugepages, and cpu/memory scaled by the node share."""
+    """Requests = limits (extended resources must be): accelerators, EFA, and cpu/memory
+    scaled by the node share."""
     spec = INSTANCES[s.instance_type]
     devs = neuron_chips(spec, tp, s.lnc) if spec.backend == "neuron" else tp
     share = devs / spec.chips  # of the node's Neuron devices or GPUs
     res: dict[str, Any] = {"cpu": str(max(4, int(NODE_CPU * share))),
-                           "memory": f"{max(32, int(NODE_MEMORY_GI * share))}Gi",
-                           "hugepages-2Mi": HUGEPAGES_2MI}
+                           "memory": f"{max(32, int(NODE_MEMORY_GI * share))}Gi"}
     dra = spec.backend == "neuron" and s.dra
     if not dra:
         res["aws.amazon.com/neuron" if spec.backend == "neuron" else "nvidia.com/gpu"] = str(devs)

@@ -94,6 +94,26 @@ def launch(
     service_monitor: Annotated[bool, typer.Option(help="k8s: add a ServiceMonitor")] = False,
     drain_seconds: Annotated[int, typer.Option(
         help="k8s: time in-flight streams get when a pod stops")] = K8sSettings.drain_s,
+    autoscaler: Annotated[str, typer.Option(
+        help="k8s: hpa (HorizontalPodAutoscalers via the Prometheus Adapter) | keda "
+        "(ScaledObjects) | none (fixed --prefill/--decode)")] = K8sSettings.autoscaler,
+    max_prefill: Annotated[int | None, typer.Option(
+        help="k8s: most prefill engines the autoscaler may run (default 2 x --prefill)")] = None,
+    max_decode: Annotated[int | None, typer.Option(
+        help="k8s: most decode engines the autoscaler may run (default 2 x --decode)")] = None,
+    scale_prefill_waiting: Annotated[float, typer.Option(
+        help="k8s: prompts waiting per prefill engine to scale at")] = K8sSettings.scale_prefill_waiting,
+    scale_prefill_in_flight: Annotated[float, typer.Option(
+        help="k8s: prefill legs in flight per prefill engine to scale at")
+    ] = K8sSettings.scale_prefill_in_flight,
+    scale_decode_running: Annotated[float, typer.Option(
+        help="k8s: streams per decode engine to scale at (`kvferry plan` gives the batch "
+        "that holds an inter-token SLO)")] = K8sSettings.scale_decode_running,
+    scale_decode_kv_usage: Annotated[float, typer.Option(
+        help="k8s: KV cache use (0-1) per decode engine to scale at")
+    ] = K8sSettings.scale_decode_kv_usage,
+    prometheus_url: Annotated[str, typer.Option(
+        help="k8s, --autoscaler keda: the Prometheus KEDA queries")] = K8sSettings.prometheus_url,
 ) -> None:
     """Print per-host commands (--dry-run) or write one start script per host; with
     --target k8s, a Kustomize directory (or, with --dry-run, its files on stdout)."""
@@ -106,6 +126,12 @@ def launch(
                          neuron_devices=neuron_devices, router_replicas=router_replicas,
                          redis_url=redis_url, service_monitor=service_monitor,
                          drain_s=drain_seconds, http_port=http_port,
+                         autoscaler=autoscaler, max_prefill=max_prefill, max_decode=max_decode,
+                         scale_prefill_waiting=scale_prefill_waiting,
+                         scale_prefill_in_flight=scale_prefill_in_flight,
+                         scale_decode_running=scale_decode_running,
+                         scale_decode_kv_usage=scale_decode_kv_usage,
+                         prometheus_url=prometheus_url,
                          side_channel_port=side_channel_port, router_port=router_port,
                          max_model_len=max_model_len),
                     hardware_backend, out_dir, dry_run)

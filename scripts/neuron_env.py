@@ -63,6 +63,9 @@ NEURON_ENV_VS_AWS_SAMPLE: dict[str, str] = {
     "FI_EFA_ENABLE_SHM_TRANSFER": "kept: 0 on every Neuron engine, required by vllm-neuron's "
                                   "LIBFABRIC/EFA tutorial; harmless across hosts, needed "
                                   "when P and D share one (the sample can co-locate them)",
+    "FI_EFA_USE_HUGE_PAGE": "kept: 0 on every EFA engine (instances.EFA_ENV): huge pages "
+                            "are optional for EFA's bounce buffers, and a pod without a "
+                            "hugepages request may not touch one (not in the sample)",
     "KVFERRY_NEURON_STAGING": "kept: kvferry's registration mode, only when asked for",
     "KVFERRY_DETOKENIZE_WINDOW": "kept: the API server's detokenizer primed with the "
                                  "prompt's last 32 tokens (every engine kvferry launches; "

@@ -40,6 +40,9 @@ CASES = {
     "p5en-external-redis": K8sSettings("p5en.48xlarge", "m", tp=8, router_replicas=3,
                                        redis_url="rediss://:pw@redis.example:6380/1",
                                        service_monitor=True, nixl_backends=["LIBFABRIC"]),
+    "p5en-keda": K8sSettings("p5en.48xlarge", "m", tp=8, prefill=2, decode=3, max_decode=9,
+                             autoscaler="keda", service_monitor=True, drain_s=120),
+    "trn2-fixed": K8sSettings("trn2.48xlarge", "m", tp=8, prefill=2, decode=3, autoscaler="none"),
 }
 
 
@@ -81,10 +84,14 @@ def crd_schema(path: Path, version: str) -> dict[str, Any]:
     return schema
 
 
+CRDS = {"monitoring.coreos.com/v1": ("monitoring.coreos.com_servicemonitors.yaml", "v1"),
+        "keda.sh/v1alpha1": ("keda.sh_scaledobjects.yaml", "v1alpha1")}
+
+
 def validate(obj: dict[str, Any]) -> None:
-    if obj["apiVersion"] == "monitoring.coreos.com/v1":
-        schema = crd_schema(SCHEMAS / "monitoring.coreos.com_servicemonitors.yaml", "v1")
-        jsonschema.Draft7Validator(schema).validate(obj)
+    if obj["apiVersion"] in CRDS:
+        path, version = CRDS[obj["apiVersion"]]
+        jsonschema.Draft7Validator(crd_schema(SCHEMAS / path, version)).validate(obj)
         return
     kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
@@ -98,6 +105,8 @@ def test_every_object_validates_against_the_real_schemas(case: str) -> None:
         validate(o)
     assert ("ServiceMonitor" in kinds) is CASES[case].service_monitor
     assert ("ResourceClaimTemplate" in kinds) is (CASES[case].neuron_devices == "dra")
+    assert ("HorizontalPodAutoscaler" in kinds) is (CASES[case].autoscaler == "hpa")
+    assert ("ScaledObject" in kinds) is (CASES[case].autoscaler == "keda")
     # the files parse back to exactly the objects generated
     for m in files:
         assert [d for d in yaml.safe_load_all(m.render()) if d] == m.objects, m.filename
@@ -172,8 +181,12 @@ def test_hardware_settings_per_instance_type() -> None:
     assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "trn2.48xlarge"}
     assert "affinity" not in pod  # trn2 co-locates P and D, as AWS's sample does
-    assert deployment(files, "prefill")["spec"]["replicas"] == 2
-    assert deployment(files, "decode")["spec"]["replicas"] == 3
+    hpas = {o["metadata"]["name"]: o["spec"] for o in by_kind(files, "HorizontalPodAutoscaler")}
+    assert hpas["kvferry-prefill"]["minReplicas"] == 2 and hpas["kvferry-decode"]["minReplicas"] == 3
+    assert "replicas" not in deployment(files, "prefill")["spec"]  # the HPA owns the count
+    fixed = render_all(CASES["trn2-fixed"], SECRET)
+    assert deployment(fixed, "prefill")["spec"]["replicas"] == 2
+    assert deployment(fixed, "decode")["spec"]["replicas"] == 3
     # trn2, DRA: claims instead of extended resources, one devicegroup8 when it fits
     files = render_all(CASES["trn2-dra"], SECRET)
     rcts = {o["metadata"]["name"]: o for o in by_kind(files, "ResourceClaimTemplate")}
@@ -282,7 +295,8 @@ def test_router_flags_exist() -> None:
 
 
 def test_every_source_named_is_used_and_files_carry_them() -> None:
-    files = render_all(CASES["trn2-dra"], SECRET) + render_all(CASES["p5en"], SECRET)
+    files = render_all(CASES["trn2-dra"], SECRET) + render_all(CASES["p5en"], SECRET) \
+        + render_all(CASES["p5en-keda"], SECRET)
     used = {s for m in files for s in m.sources}
     assert used == set(SOURCES)
     dep = next(m for m in files if m.filename == "prefill-deployment.yaml")
@@ -358,3 +372,131 @@ def test_kubectl_kustomize_renders(case: str, tmp_path: Path) -> None:
         validate(d)
     assert re.search(r"kubectl|Kustomize", subprocess.run(
         ["kubectl", "version", "--client"], capture_output=True, text=True).stdout)
+
+
+def _adapter_values(files) -> dict[str, Any]:
+    """The Prometheus Adapter values autoscaling.yaml carries in its header comment."""
+    text = next(m for m in files if m.filename == "autoscaling.yaml").render()
+    head = text.split("\napiVersion:", 1)[0].splitlines()
+    start = head.index("# rules:")
+    return yaml.safe_load("\n".join(ln[2:] for ln in head[start:]))
+
+
+def _vllm_metric_names() -> str:
+    """vLLM's metrics module as text (read, not imported: importing vLLM is slow)."""
+    import importlib.util
+
+    origin = importlib.util.find_spec("vllm").origin  # type: ignore[union-attr]
+    return (Path(origin).parent / "v1" / "metrics" / "loggers.py").read_text()
+
+
+def test_hpas_scale_each_engine_role_on_exported_metrics_and_drain() -> None:
+    from kvferry.router.metrics import RouterMetrics
+
+    s = CASES["trn2-plugin"]
+    files = render_all(s, SECRET)
+    hpas = {o["metadata"]["name"]: o for o in by_kind(files, "HorizontalPodAutoscaler")}
+    assert set(hpas) == {"kvferry-prefill", "kvferry-decode"}
+    values = _adapter_values(files)
+    pods_rules = {r["name"]["as"]: r for r in values["rules"]["custom"]}
+    ext_rules = {r["name"]["as"]: r for r in values["rules"]["external"]}
+    vllm_src = _vllm_metric_names()
+    router_text = RouterMetrics().render().decode()
+    for role, count in (("prefill", s.prefill), ("decode", s.decode)):
+        spec = hpas[f"kvferry-{role}"]["spec"]
+        target = spec["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", deployment(files, role)["metadata"]["name"])
+        assert (spec["minReplicas"], spec["maxReplicas"]) == (count, 2 * count)
+        up, down = spec["behavior"]["scaleUp"], spec["behavior"]["scaleDown"]
+        # against flapping: a dip must last longer than a burst before engines go
+        assert 0 < up["stabilizationWindowSeconds"] < down["stabilizationWindowSeconds"]
+        # scale-down drains: one engine per drain window (its preStop is that long)
+        assert down["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": s.drain_s}]
+        assert down["selectPolicy"] == "Min" and up["policies"][0]["value"] == 1
+        kinds = set()
+        for m in spec["metrics"]:
+            kinds.add(m["type"])
+            if m["type"] == "Pods":
+                rule = pods_rules[m["pods"]["metric"]["name"]]
+                series = rule["name"]["matches"].strip("^$")
+                assert f'"{series}"' in vllm_src  # a metric vLLM's engines export
+                assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+            else:
+                ext = m["external"]
+                assert ext["metric"]["selector"]["matchLabels"] == {"role": role}
+                series = ext_rules[ext["metric"]["name"]]["name"]["matches"].strip("^$")
+                assert f"# TYPE {series} gauge" in router_text  # the router's /metrics
+            assert m[m["type"].lower()]["target"]["type"] == "AverageValue"
+        assert kinds == {"Pods", "External"}  # engines' and router's measures both
+    names = {m["pods"]["metric"]["name"] for m in hpas["kvferry-decode"]["spec"]["metrics"]
+             if m["type"] == "Pods"}
+    assert names == {"kvferry_engine_requests_running", "kvferry_engine_kv_cache_usage"}
+
+
+def test_keda_scaled_objects_behind_the_flag() -> None:
+    s = CASES["p5en-keda"]
+    files = render_all(s, SECRET)
+    assert not by_kind(files, "HorizontalPodAutoscaler")  # KEDA makes its own
+    sos = {o["metadata"]["name"]: o["spec"] for o in by_kind(files, "ScaledObject")}
+    assert set(sos) == {"kvferry-prefill", "kvferry-decode"}
+    assert (sos["kvferry-decode"]["minReplicaCount"], sos["kvferry-decode"]["maxReplicaCount"]) == (3, 9)
+    assert (sos["kvferry-prefill"]["minReplicaCount"], sos["kvferry-prefill"]["maxReplicaCount"]) == (2, 4)
+    for role, spec in (("prefill", sos["kvferry-prefill"]), ("decode", sos["kvferry-decode"])):
+        assert spec["scaleTargetRef"]["name"] == f"kvferry-{role}"
+        down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+        assert down["policies"][0]["periodSeconds"] == s.drain_s == 120
+        for t in spec["triggers"]:
+            assert t["type"] == "prometheus" and t["metadata"]["serverAddress"] == s.prometheus_url
+            q = t["metadata"]["query"]
+            assert 'namespace="kvferry"' in q and (f'service="kvferry-{role}"' in q
+                                                   or f'role="{role}"' in q)
+            float(t["metadata"]["threshold"])
+        assert {t["metadata"]["threshold"] for t in spec["triggers"]} >= (
+            {"2", "4"} if role == "prefill" else {"32", "0.8"})
+
+
+def test_the_validators_catch_autoscaling_mistakes() -> None:
+    hpa = copy.deepcopy(by_kind(render_all(CASES["p5en"], SECRET), "HorizontalPodAutoscaler")[0])
+    hpa["spec"]["behavior"]["scaleDown"]["stabilisationWindowSeconds"] = 60
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(hpa)
+    so = copy.deepcopy(by_kind(render_all(CASES["p5en-keda"], SECRET), "ScaledObject")[0])
+    so["spec"]["maxReplicas"] = 4
+    with pytest.raises(jsonschema.ValidationError):
+        validate(so)
+    so = copy.deepcopy(by_kind(render_all(CASES["p5en-keda"], SECRET), "ScaledObject")[0])
+    del so["spec"]["triggers"][0]["type"]
+    with pytest.raises(jsonschema.ValidationError):  # the CRD requires each trigger's type
+        validate(so)
+
+
+def test_bad_autoscaling_settings_are_refused() -> None:
+    with pytest.raises(PlanError, match="--max-decode"):
+        render_all(K8sSettings("p5en.48xlarge", "m", tp=4, decode=3, max_decode=2), SECRET)
+    with pytest.raises(PlanError, match="--autoscaler"):
+        render_all(K8sSettings("p5en.48xlarge", "m", tp=4, autoscaler="vpa"), SECRET)
+    with pytest.raises(PlanError, match="scaling targets"):
+        render_all(K8sSettings("p5en.48xlarge", "m", tp=4, scale_decode_kv_usage=1.5), SECRET)
+
+
+def test_cli_autoscaling_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFERRY_SECRET", SECRET)
+    base = ["launch", "--target", "k8s", "--model", "m", "-i", "p5en.48xlarge", "--tp", "8",
+            "--dry-run"]
+    r = CliRunner().invoke(_cli(), [*base, "--autoscaler", "keda", "--max-decode", "6",
+                                    "--scale-decode-running", "48", "--prometheus-url",
+                                    "http://prom.mon:9090", "--router-image", "r/router:1"])
+    assert r.exit_code == 0, r.output
+    docs = [d for d in yaml.safe_load_all(r.output) if d]
+    so = next(d for d in docs if d["kind"] == "ScaledObject" and d["metadata"]["name"] == "kvferry-decode")
+    assert so["spec"]["maxReplicaCount"] == 6
+    assert so["spec"]["triggers"][0]["metadata"] == {
+        "serverAddress": "http://prom.mon:9090",
+        "query": 'sum(vllm:num_requests_running{namespace="kvferry",service="kvferry-decode"})',
+        "threshold": "48"}
+    kust = next(d for d in docs if d["kind"] == "Kustomization")
+    assert {"name": "kvferry-router", "newName": "r/router", "newTag": "1"} in kust["images"]
+    r = CliRunner().invoke(_cli(), [*base, "--autoscaler", "none"])
+    assert r.exit_code == 0 and "HorizontalPodAutoscaler" not in r.output
+    r = CliRunner().invoke(_cli(), [*base, "--autoscaler", "vpa"])
+    assert r.exit_code == 2 and "--autoscaler" in r.output
