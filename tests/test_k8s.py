@@ -175,7 +175,6 @@ def test_hardware_settings_per_instance_type() -> None:
     assert res["limits"] == res["requests"]
     assert res["limits"]["aws.amazon.com/neuron"] == "2"
     assert res["limits"]["vpc.amazonaws.com/efa"] == "2"
-    assert res["limits"]["hugepages-2Mi"] == "5120Mi"
     assert pod["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
     assert {"name": "NEURON_VISIBLE_DEVICES", "value": "0-7"} in pod["containers"][0]["env"]
     assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
@@ -217,6 +216,30 @@ def test_hardware_settings_per_instance_type() -> None:
         env = {v["name"]: v.get("value") for v in pod["containers"][0]["env"]}
         assert env["FI_PROVIDER"] == "efa" and env["UCX_TLS"].startswith("srd")
         assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(gpus)))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_engine_pod_requests_hugepages_and_efa_uses_none(case: str) -> None:
+    """EFA on trn2 and p5en needs no huge pages (libfabric-efa): a hugepages request would
+    leave pods Pending on nodes that preallocate none, and without one the provider must
+    not map any (FI_EFA_USE_HUGE_PAGE=0), on every engine of every target alike."""
+    files = render_all(CASES[case], SECRET)
+    for role in ("prefill", "decode"):
+        c = container(files, role)
+        for kind in ("requests", "limits"):
+            assert not [r for r in c["resources"].get(kind, {}) if r.startswith("hugepages-")]
+        assert {"name": "FI_EFA_USE_HUGE_PAGE", "value": "0"} in c["env"]
+        e, _ = _ssh_engine(CASES[case], role)
+        assert e.env["FI_EFA_USE_HUGE_PAGE"] == "0"
+    dep = next(m for m in files if m.filename == "prefill-deployment.yaml")
+    assert "libfabric-efa" in dep.sources
+
+
+def test_network_policies_say_eks_enforces_them_only_with_the_vpc_cni_agent() -> None:
+    files = render_all(CASES["p5en"], SECRET)
+    (pol,) = [m for m in files if m.filename == "networkpolicies.yaml"]
+    assert "eks-netpol" in pol.sources
+    assert f"# follows: {SOURCES['eks-netpol']}" in pol.render()
 
 
 def test_probes_and_graceful_termination() -> None:
