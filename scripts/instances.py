@@ -57,8 +57,8 @@ class InstanceSpec:
     def fabric_env(self, lnc: int, nixl_backends: list[str], shared: bool) -> dict[str, str]:
         """An engine's instance-type environment (the builder's ``env``): EFA only (no
         silent tcp fallback) with device RDMA and no huge pages (EFA_ENV), no EFA shared
-        memory between P and D on one host, UCX over EFA, and on Neuron the plan's core numbering. Every Neuron variable
-        is accounted for in neuron_env.NEURON_ENV_VS_AWS_SAMPLE."""
+        memory between P and D on one host, UCX over EFA, and on Neuron the plan's core
+        numbering. Every Neuron variable is accounted for in neuron_env.NEURON_ENV_VS_AWS_SAMPLE."""
         env = dict(EFA_ENV)
         if shared:  # Neuron engines always have it (neuron_env.neuron_engine_env)
             env["FI_EFA_ENABLE_SHM_TRANSFER"] = "0"

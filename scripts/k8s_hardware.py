@@ -8,7 +8,8 @@ Pending on nodes that preallocate none.
 Assumed, not verified on a cluster: a pod's Neuron devices (device plugin or DRA) are
 numbered from 0 inside the container, as GPUs are (nvidia-dp), so the plan's
 NEURON_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES of a node-to-itself engine (0..TP-1) apply;
-trn2 has one EFA per Neuron device (the sample pairs 8 with 8); p5en fits the sample's per-node cpu/memory budget.
+trn2 has one EFA per Neuron device (the sample pairs 8 with 8); p5en fits the sample's
+per-node cpu/memory budget.
 """
 
 from __future__ import annotations
