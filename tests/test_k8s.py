@@ -373,9 +373,11 @@ def test_cli_writes_the_directory_and_prints_the_secret_only_on_dry_run(
     assert r.exit_code == 2
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize built in)")
 @pytest.mark.parametrize("case", ["trn2-dra", "p5en"])
 def test_kubectl_kustomize_renders(case: str, tmp_path: Path) -> None:
+    """Runs wherever the tests run: .ci/setup-tests installs kubectl (Debian's
+    kubernetes-client, kustomize built in) when none is there."""
+    assert shutil.which("kubectl"), "no kubectl: run bash .ci/setup-tests"
     s = CASES[case]
     files = render_all(K8sSettings(**{**s.__dict__, "image": "123.dkr.ecr.aws/kvferry:0.1.0",
                                       "namespace": "serving"}), SECRET)
@@ -393,8 +395,6 @@ def test_kubectl_kustomize_renders(case: str, tmp_path: Path) -> None:
                       s.redis_image}  # each role's image, no placeholder left
     for d in docs:  # what kustomize emits still validates
         validate(d)
-    assert re.search(r"kubectl|Kustomize", subprocess.run(
-        ["kubectl", "version", "--client"], capture_output=True, text=True).stdout)
 
 
 def _adapter_values(files) -> dict[str, Any]:
