@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import shlex
 import shutil
 import subprocess
