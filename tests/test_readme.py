@@ -192,6 +192,28 @@ def test_every_kvferry_line_parses_and_up_lines_dry_run() -> None:
             dry_run(argv)
 
 
+def doc_commands(path: Path) -> list[list[str]]:
+    """The `kvferry ...` commands in a page's code blocks, backslash continuations joined."""
+    joined = re.sub(r"\\\n\s+", " ", path.read_text())
+    out = []
+    for line in code_lines(joined):
+        for part in line.split("&&"):
+            if Path(part.split(maxsplit=1)[0]).name == "kvferry":
+                out.append(shlex.split(part))
+    return out
+
+
+@pytest.mark.parametrize("doc", USER_DOCS[1:], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_kvferry_command_in_docs_parses(doc: Path) -> None:
+    """`up` and `launch` lines also run with `--dry-run` (prints, writes nothing), which
+    checks what the parser cannot: choices, TP against the instance type, ports."""
+    for argv in doc_commands(doc):
+        ctx = parse_kvferry(argv)
+        if ctx.info_name in ("up", "launch"):
+            out = dry_run(argv)
+            assert "KVFERRY_SECRET" in out
+
+
 def gpu_line(*must: str) -> list[str]:
     (line,) = [ln for ln in code_lines(SECTIONS["On GPUs"])
                if is_kvferry(shlex.split(ln)) and all(m in ln for m in must)
