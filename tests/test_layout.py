@@ -216,7 +216,13 @@ def test_layout_mismatch_is_a_value_error():
 
 
 def test_compatible_layouts_may_differ_in_addresses_devices_and_block_count():
-    check_compatible(dense_layout(8, base=0, dev=0), dense_layout(64, base=1 << 40, dev=7))
+    """Accepted, and a transfer between them addresses each side in its own terms: its
+    base, its block count (plane stride) and its device."""
+    local, remote = dense_layout(8, base=0, dev=0), dense_layout(64, base=1 << 40, dev=7)
+    assert check_compatible(local, remote) is None
+    ld, rd = descriptors(local, remote, [5, 6], [60, 61])  # one run of 2 blocks per plane
+    assert ld.tolist() == [[5 * 64, 128, 0], [8 * 64 + 5 * 64, 128, 0]]
+    assert rd.tolist() == [[(1 << 40) + 60 * 64, 128, 7], [(1 << 40) + 64 * 64 + 60 * 64, 128, 7]]
 
 
 def test_peers_with_different_inner_order_are_incompatible():
