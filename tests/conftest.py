@@ -27,3 +27,49 @@ def client() -> Iterator[httpx.Client]:
     """A plain HTTP client for talking to routers started in the tests."""
     with httpx.Client(trust_env=False, timeout=20) as c:
         yield c
+
+
+# -- engine pairs shared by modules (shared_stacks.py) ------------------------------------
+def shared_group(item: pytest.Item) -> str | None:
+    """The shared engine pair a test's module uses, if any."""
+    mark = item.get_closest_marker("shared_stack")
+    return str(mark.args[0]) if mark else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "shared_stack(name): the module's engines are the "
+                            "session's shared pair `name` (tests/shared_stacks.py)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules sharing an engine pair run one after another, from where the first of
+    them was (each module's own order is kept)."""
+    out: list[pytest.Item] = []
+    placed: set[str] = set()
+    for item in items:
+        name = shared_group(item)
+        if name is None:
+            out.append(item)
+        elif name not in placed:
+            placed.add(name)
+            out += [i for i in items if shared_group(i) == name]
+    items[:] = out
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201
+    """After the last test of a shared pair's modules (theirs torn down): stop the pair."""
+    yield
+    if "shared_stacks" in sys.modules:
+        from shared_stacks import close
+
+        name = shared_group(item)
+        if name is not None and (nextitem is None or shared_group(nextitem) != name):
+            close(name)
+
+
+def pytest_sessionfinish() -> None:
+    if "shared_stacks" in sys.modules:
+        from shared_stacks import close_all
+
+        close_all()

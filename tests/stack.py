@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -166,13 +166,25 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+_TINY: list[str] = []  # the session's tiny model, once written
+
+
+def tiny_model(tmp_path_factory: Any) -> str:
+    """The tiny Qwen3 with generated weights that every engine test serves, written once
+    per session (the weights are deterministic; each module writing its own cost seconds)."""
+    from kvferry.scripts.modelgen import write_model
+
+    if not _TINY:
+        _TINY.append(str(write_model(tmp_path_factory.getbasetemp() / "model-tiny", "tiny",
+                                     weights=True)))
+    return _TINY[0]
+
+
 @contextmanager
 def tiny_stack(tmp_path_factory: Any, extra: dict[str, Any],
                router: dict[str, Any] | None = None) -> Iterator[Stack]:
     """The CPU E2E stack: tiny Qwen3 with generated weights, kvferry on both engines."""
-    from kvferry.scripts.modelgen import write_model
-
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    model = tiny_model(tmp_path_factory)
     with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=extra, router=router) as s:
         yield s
 
@@ -300,29 +312,49 @@ def pd_stack(model: str, logs: Path, connector: str = "kvferry",
              ) -> Iterator[Stack]:
     """P + D + router. `mode` picks vLLM's connector class for connector="vllm-nixl"
     (push: NixlPushConnector, which the router drives with P's engine id)."""
-    secret = secrets.token_hex(16)
     with ExitStack() as stack:
-        p = start_engine("prefill", model, logs, secret, connector, extra, None, backend,
-                         engine_args + prefill_args, mode, devices[0])
-        d = start_engine("decode", model, logs, secret, connector, extra, None, backend,
-                         engine_args + decode_args, mode, devices[1])
-        children = [p.child, d.child]
-        stack.callback(stop_all, children)
-        wait_healthy(children, STARTUP_S)
-        if connector == "vllm-nixl" and backend == "cpu":
-            for e in (p, d):  # vLLM's NIXL worker put both forwards on the last core
-                e.rebound = restore_worker_binding(e.child)
-        vllm_push = connector == "vllm-nixl" and mode == "push"
-        kv = [f"127.0.0.1:{p.side_port}"] if connector == "kvferry" or vllm_push else []
-        ctl = [f"127.0.0.1:{d.control_port}"] if connector == "kvferry" else []
-        ids = [p.engine_id] if vllm_push else []
-        settings = RouterSettings(prefill_urls=[p.url], decode_urls=[d.url], prefill_kv_addrs=kv,
-                                  decode_control_addrs=ctl, prefill_engine_ids=ids,
-                                  prefill_timeout_s=120, decode_timeout_s=120,
-                                  **({"mode": "push"} if vllm_push else {}), **(router or {}))
-        router = stack.enter_context(serve(create_app(settings, secret.encode())))
-        ROUTERS.add(router)
-        yield Stack(p, d, router, secret, model, children)
+        s = start_pd(stack, model, logs, connector, extra, backend, engine_args + prefill_args,
+                     engine_args + decode_args, mode, devices)
+        yield with_router(stack, s, router, connector, mode)
+
+
+def start_pd(es: ExitStack, model: str, logs: Path, connector: str = "kvferry",
+             extra: dict[str, Any] | None = None, backend: str = "cpu",
+             prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
+             mode: str = "pull",
+             devices: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None),
+             ) -> Stack:
+    """P and D, healthy, stopped when ``es`` closes; no router yet (``router`` is "")."""
+    secret = secrets.token_hex(16)
+    p = start_engine("prefill", model, logs, secret, connector, extra, None, backend,
+                     prefill_args, mode, devices[0])
+    d = start_engine("decode", model, logs, secret, connector, extra, None, backend,
+                     decode_args, mode, devices[1])
+    children = [p.child, d.child]
+    es.callback(stop_all, children)
+    wait_healthy(children, STARTUP_S)
+    if connector == "vllm-nixl" and backend == "cpu":
+        for e in (p, d):  # vLLM's NIXL worker put both forwards on the last core
+            e.rebound = restore_worker_binding(e.child)
+    return Stack(p, d, "", secret, model, children)
+
+
+def with_router(es: ExitStack, s: Stack, router: dict[str, Any] | None = None,
+                connector: str = "kvferry", mode: str = "pull") -> Stack:
+    """``s`` behind a new in-process router (``router``: more RouterSettings), served until
+    ``es`` closes; the engines are shared with ``s``."""
+    p, d = s.prefill, s.decode
+    vllm_push = connector == "vllm-nixl" and mode == "push"
+    kv = [f"127.0.0.1:{p.side_port}"] if connector == "kvferry" or vllm_push else []
+    ctl = [f"127.0.0.1:{d.control_port}"] if connector == "kvferry" else []
+    ids = [p.engine_id] if vllm_push else []
+    settings = RouterSettings(prefill_urls=[p.url], decode_urls=[d.url], prefill_kv_addrs=kv,
+                              decode_control_addrs=ctl, prefill_engine_ids=ids,
+                              prefill_timeout_s=120, decode_timeout_s=120,
+                              **({"mode": "push"} if vllm_push else {}), **(router or {}))
+    url = es.enter_context(serve(create_app(settings, s.secret.encode())))
+    ROUTERS.add(url)
+    return replace(s, router=url)
 
 
 def complete(url: str, model: str, prompt: list[int], max_tokens: int = 12,

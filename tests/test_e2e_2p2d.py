@@ -35,6 +35,7 @@ from stack import (
     prompt,
     settled_writes,
     stats_of,
+    tiny_model,
     wait_until,
 )
 
@@ -44,10 +45,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from kvferry.connectors.config import ConnectorConfig
-    from kvferry.scripts.modelgen import write_model
 
     ConnectorConfig.from_extra(EXTRA)  # fail here, not after four engine start-ups
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    model = tiny_model(tmp_path_factory)
     logs = tmp_path_factory.mktemp("logs")
     with ExitStack() as stack:
         # Conversations go through P (D -> P reuse), not D-local (tests/test_e2e_turns.py).

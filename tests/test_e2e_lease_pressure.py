@@ -30,11 +30,9 @@ BIG = 3000  # 24 blocks: more than the 12 left free by three turns (9 blocks eac
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from stack import pd_stack
+    from stack import pd_stack, tiny_model
 
-    from kvferry.scripts.modelgen import write_model
-
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    model = tiny_model(tmp_path_factory)
     with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=EXTRA,
                   prefill_args=("--no-enable-prefix-caching",),
                   decode_args=("--num-gpu-blocks-override", str(D_BLOCKS)),

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import libfabric_host
 import pytest
-from stack import assert_same_output, complete, pd_stack, prompt, settled_writes, wait_until
+from stack import (
+    assert_same_output,
+    complete,
+    pd_stack,
+    prompt,
+    settled_writes,
+    tiny_model,
+    wait_until,
+)
 
 from kvferry.connectors.transfer.handshake import fetch
 
@@ -28,13 +36,11 @@ EXTRA = {"nixl_backends": ["LIBFABRIC"], "recv_timeout_s": 20, "handshake_timeou
 def stack(tmp_path_factory):
     if (why := libfabric_host.skip_reason()) is not None:
         pytest.skip(why)
-    from kvferry.scripts.modelgen import write_model
-
     env = libfabric_host.env()
     mp = pytest.MonkeyPatch()  # engines merge their env over os.environ at launch
     for var in ("LD_LIBRARY_PATH", "FI_PROVIDER"):
         mp.setenv(var, env[var])
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    model = tiny_model(tmp_path_factory)
     try:
         # P without prefix caching, as if it had evicted a conversation's history: reuse
         # then READs it back from D (tests/test_e2e_reuse.py does the same over UCX).

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import ExitStack
 
 import httpx
 import pytest
 from helpers_http import serve
 from helpers_reuse import BS, expected_reuse, out_tokens, reused_of
+from shared_stacks import PairConfig, shared
 from stack import (
     assert_no_engine_fields,
     assert_same_output,
@@ -23,12 +25,13 @@ from stack import (
     prompt,
     settled_writes,
     wait_until,
+    with_router,
 )
 
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shared_stack("reuse")]
 
 EXTRA = {"handshake_timeout_s": 3, "lease_free_grace_s": 2.0, "lease_margin_s": 1.5,
          "reuse_read_timeout_s": 1.0}
@@ -40,14 +43,10 @@ P_ONLY = {"d_local_max_new_tokens": 0}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from stack import pd_stack
-
-    from kvferry.scripts.modelgen import write_model
-
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
-    with pd_stack(model, tmp_path_factory.mktemp("logs"), extra=EXTRA,
-                  prefill_args=("--no-enable-prefix-caching",), router=P_ONLY) as s:
-        yield s
+    # The engines test_e2e_turns.py uses next (shared_stacks.py); this module's router.
+    s = shared("reuse", PairConfig(EXTRA, ("--no-enable-prefix-caching",)), tmp_path_factory)
+    with ExitStack() as es:
+        yield with_router(es, s, P_ONLY)
 
 
 def turn(url: str, model: str, toks: list[int], cid: str | None, key: str | None = None,

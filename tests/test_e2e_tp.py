@@ -34,6 +34,7 @@ from stack import (
     serve_kvferry_router,
     settled_writes,
     start_engine,
+    tiny_model,
     wait_until,
     warm_up,
 )
@@ -53,9 +54,7 @@ def stack(request, tmp_path_factory):
     """(P, D, router, model): P's TP ranks share the first core, D's the last one
     (tests/stack.py's CORE_RULE: D sharing a core with P's rank 1 stalled first pulls; D
     TP 2 with its second rank on P's core took 10-60+ s per first READ)."""
-    from kvferry.scripts.modelgen import write_model
-
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    model = tiny_model(tmp_path_factory)
     logs = tmp_path_factory.mktemp("logs")
     secret = secrets.token_hex(16)
     p_tp, d_tp = request.param

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from helpers_http import serve
+from shared_stacks import PairConfig, shared
 from stack import (
     ROUTERS,
     Stack,
@@ -29,7 +30,6 @@ from stack import (
     assert_same_output,
     complete,
     kvferry_router_settings,
-    pd_stack,
     prompt,
     wait_until,
 )
@@ -39,7 +39,7 @@ from kvferry.router.app import create_app
 from kvferry.router.history import CONTENT_KEY_PREFIX
 from kvferry.router.registry import ANONYMOUS
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shared_stack("reuse")]
 
 BS = 128  # CPU engines' block size
 EXTRA = {"handshake_timeout_s": 3, "lease_free_grace_s": 2.0, "lease_margin_s": 1.5,
@@ -74,12 +74,9 @@ class Routed:
 
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory) -> Iterator[Routed]:
-    from kvferry.scripts.modelgen import write_model
-
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    # test_e2e_reuse.py's engines, handed over at baseline (shared_stacks.py).
+    s = shared("reuse", PairConfig(EXTRA, ("--no-enable-prefix-caching",)), tmp_path_factory)
     with ExitStack() as es:
-        s = es.enter_context(pd_stack(model, tmp_path_factory.mktemp("logs"), extra=EXTRA,
-                                      prefill_args=("--no-enable-prefix-caching",)))
         settings = kvferry_router_settings([s.prefill], [s.decode], prefill_timeout_s=120,
                                            decode_timeout_s=120, d_local_max_new_tokens=MAX_NEW)
         app = create_app(settings, s.secret.encode())

@@ -10,7 +10,7 @@ import os
 import time
 
 import pytest
-from stack import assert_same_output, complete, pd_stack, prompt
+from stack import assert_same_output, complete, pd_stack, prompt, tiny_model
 
 from kvferry.scripts.cpu_pin import workers
 
@@ -21,9 +21,7 @@ FAILED = "vllm:nixl_num_failed_transfers_total"  # handshake, transfer and notif
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_router_drives_vllm_builtin_connector(tmp_path_factory, mode: str) -> None:
-    from kvferry.scripts.modelgen import write_model
-
-    model = str(write_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", weights=True))
+    model = tiny_model(tmp_path_factory)
     with pd_stack(model, tmp_path_factory.mktemp("logs"), connector="vllm-nixl", mode=mode) as s:
         # vLLM's NIXL worker moves its forward onto the host's last core (scripts/cpu_pin.py):
         # both engines computed on one core, and a first request took 35-60 s, long enough
