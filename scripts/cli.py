@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from .bench_cli import bench
+from .capacity_cli import plan_command
 from .chaos import chaos
 from .demo import run_demo
 from .engines import HTTP_PORT, ROUTER_PORT
@@ -28,6 +29,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 app.add_typer(launch_app, name="launch")
 app.command(name="bench")(bench)
 app.command(name="chaos")(chaos)
+app.command(name="plan")(plan_command)
 
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
