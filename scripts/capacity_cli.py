@@ -81,7 +81,7 @@ def measured(cal: Calibration, load: Load, run: dict[str, Any]) -> str:
 
 
 def _ms(seconds: float, digits: int = 0) -> str:
-    return f"{seconds * 1000:.{digits}f} ms" if seconds != float("inf") else "unbounded"
+    return f"{seconds * 1000:.{digits}f} ms" if seconds != float("inf") else "unbounded (queue grows)"
 
 
 def _row(rec: Recommendation, load: Load, slo: Slo) -> dict[str, Any]:
@@ -177,7 +177,10 @@ def plan_command(
         if run:
             rec.reasons.append(measured(cal, load, run))
         if check:
-            sim = simulate(cal, load, rec.estimate.prefill, rec.estimate.decode, sim_seconds)
+            # lengths as spread as the load says (a p90 of 1.4x the mean: +-50 %)
+            spread = min(1.0, max(0.0, (load.long_prompt / load.prompt_tokens - 1) / 0.8))
+            sim = simulate(cal, load, rec.estimate.prefill, rec.estimate.decode, sim_seconds,
+                           spread=spread)
             rec.reasons.append(f"simulated ({sim_seconds:g} s, {sim.requests} requests): TTFT p90 "
                                f"{sim.ttft_p90_s * 1000:.0f} ms, ITL p90 {sim.itl_p90_s * 1000:.1f} ms")
         if as_json:
