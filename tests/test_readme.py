@@ -4,6 +4,7 @@
 (`up` lines run with `--dry-run`, which prints the engines' command lines); the test command
 is what .ci/run runs; curl and SDK examples talk to the router's real routes with the model
 name the `up` line serves; links into docs/ and benchmarks/ resolve, anchors included.
+The quick start's `kvferry run` itself runs, on real engines, in tests/test_e2e_cli.py.
 """
 
 from __future__ import annotations
