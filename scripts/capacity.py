@@ -129,6 +129,13 @@ def ttft_p90(cal: Calibration, load: Load, engines: int, itl_s: float) -> tuple[
     return wait_p90 + prefill + long * cal.transfer_ms_per_token / 1000 + itl_s, util
 
 
+def max_streams(cal: Calibration, slo: Slo) -> int:
+    """The largest mean batch whose p90 step still meets the inter-token SLO (0: none)."""
+    fits = [b for b in range(1, cal.max_batch + 1)
+            if b + Z90 * math.sqrt(b) <= cal.max_batch and cal.step_s(b + Z90 * math.sqrt(b)) <= slo.itl_s]
+    return fits[-1] if fits else 0
+
+
 def estimate(cal: Calibration, load: Load, prefill: int, decode: int) -> Estimate:
     itl, batch = itl_p90(cal, load, decode)
     ttft, util = ttft_p90(cal, load, prefill, itl if math.isfinite(itl) else cal.step_s(0))
@@ -157,6 +164,11 @@ def recommend(cal: Calibration, load: Load, slo: Slo, budget: int | None = None,
                    f"{itl * 1000:.1f} ms <= {slo.itl_s * 1000:.0f} ms"
                    + (f" ({d - 1} would give {itl_p90(cal, load, d - 1)[0] * 1000:.1f} ms)"
                       if d > 1 else ""))
+    b_max = max_streams(cal, slo)
+    if b_max:
+        reasons.append(f"a D holds ITL p90 <= {slo.itl_s * 1000:.0f} ms up to ~{b_max} streams: "
+                       f"the autoscaler's target (launch --target k8s --scale-decode-running "
+                       f"{b_max})")
     p = next((n for n in range(1, most + 1)
               if estimate(cal, load, n, d).ttft_p90_s <= slo.ttft_s), None)
     if p is None:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from typer.testing import CliRunner
 
 from kvferry.router.metrics import RouterMetrics
-from kvferry.scripts.capacity import Calibration, Load, Slo, estimate, recommend
+from kvferry.scripts.capacity import Calibration, Load, Slo, estimate, max_streams, recommend
 from kvferry.scripts.capacity_calibrate import calibrate, loads_from_bench
 from kvferry.scripts.capacity_cli import read_rows, result_files
 from kvferry.scripts.capacity_metrics import MetricsError, load_from_scrapes
@@ -78,6 +78,17 @@ def test_model_agrees_with_the_simulation(cal: Calibration) -> None:
         assert model.itl_p90_s == pytest.approx(sim.itl_p90_s, rel=0.15)
         assert model.ttft_p90_s == pytest.approx(sim.ttft_p90_s, rel=0.25)
         assert model.decode_batch == pytest.approx(sim.mean_batch, rel=0.25)
+
+
+def test_the_decode_batch_target_for_the_autoscaler(cal: Calibration) -> None:
+    """The streams per D the planner names for --scale-decode-running keep ITL p90 in the
+    SLO, and one more does not."""
+    slo = Slo(1.5, 0.015)
+    rec = recommend(cal, Load(8.0, 500, 1500), slo)
+    b = max_streams(cal, slo)
+    assert any(f"--scale-decode-running {b}" in r for r in rec.reasons)
+    p90 = lambda n: cal.step_s(n + 1.2816 * math.sqrt(n))  # noqa: E731
+    assert p90(b) <= slo.itl_s < p90(b + 1)
 
 
 def test_overload_is_unbounded_not_a_number(cal: Calibration) -> None:
