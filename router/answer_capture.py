@@ -3,8 +3,8 @@ usage D reported, from a JSON answer or from the SSE events on their way to the 
 
 A conversation's next request resends that answer as an assistant message, so it is
 part of the history the router records (`history.record`). The stream filter passes every
-byte through unchanged and parses a copy, event by event; `on_done` fires once, when the
-`data: [DONE]` event has been seen (within the same `feed` call, so before the client has
+byte through unchanged and keeps a copy, parsed once at the end; `on_done` fires once, when
+the `data: [DONE]` event has been seen (within the same `feed` call, so before the client has
 it, which lets the conversation commit before the client's next turn can arrive).
 """
 
@@ -95,30 +95,49 @@ def answer_of_json(data: bytes, chat: bool) -> Answer | None:
 
 
 class AnswerCapture:
-    """A `sse.ChunkFilter` that returns its input unchanged and collects the answer."""
+    """A `sse.ChunkFilter` that returns its input unchanged and collects the answer.
+
+    On the token path it only keeps the chunks (raw bytes) and looks for `[DONE]`; the
+    events are parsed once, when `[DONE]` arrives (or the stream ends), not per chunk."""
 
     def __init__(self, chat: bool, on_done: Callable[[Answer | None], None]) -> None:
         self.collector = Collector(chat)
         self._on_done: Callable[[Answer | None], None] | None = on_done
-        self._held = b""
+        self._chunks: list[bytes] = []
+        self._tail = b""  # the previous chunk's last bytes: a marker split across chunks
+        self._done_seen = False
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._held + chunk
+        if self._on_done is None:
+            return chunk  # the answer is reported: the rest is of no use
+        self._chunks.append(chunk)
+        if self._done_seen or DONE in self._tail + chunk:
+            self._done_seen = True
+            self._parse(final=False)
+        self._tail = chunk[-len(DONE) + 1:]
+        return chunk
+
+    def flush(self) -> bytes:
+        self._parse(final=True)
+        return b""
+
+    def _parse(self, final: bool) -> None:
+        """Every complete event kept so far (with `final`, the unterminated rest too)."""
+        data = b"".join(self._chunks)
         end = 0
         for start, stop in event_ends(data):
             self._event(data[end:start])
             end = stop
-        self._held = data[end:]
-        return chunk
-
-    def flush(self) -> bytes:
-        if self._held.strip():
-            self._event(self._held)
-        self._held = b""
-        return b""
+        rest = data[end:]
+        if final and rest.strip():
+            self._event(rest)
+            rest = b""
+        self._chunks = [rest] if rest else []
 
     def finish(self) -> None:
         """The stream ended cleanly without `[DONE]`: report what was collected."""
+        if self._on_done is not None:
+            self._parse(final=True)
         self._done()
 
     def _done(self) -> None:

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvferry.connectors.protocol.params import SECRET_ENV, secret
 
 from . import bodies
+from .admission import Admission, AdmissionMiddleware
 from .context import FlowContext, forward_headers
 from .conversations import Conversations, LeaseUnavailable
 from .errors import RouterError, error_body, from_status, from_transport
@@ -40,6 +41,7 @@ from .kv_index import PrefixIndex
 from .metrics import RouterMetrics
 from .registry import ConversationEntry
 from .settings import MODES, Mode, RouterSettings
+from .stream_client import StreamClient
 from .upstreams import UpstreamPool
 from .wire import HDR_DECODE
 
@@ -98,6 +100,7 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
             holder["ctx"] = FlowContext(client, settings, prefill, decode, metrics,
                                         conversations=conversations, kv_index=kv_index)
+            holder["ctx"].streams = StreamClient(settings.max_connections, UPSTREAM_KEEPALIVE_S)
             loops = []
             if settings.engines_file:
                 loops.append(fleet.watch())
@@ -120,8 +123,14 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            await holder["ctx"].streams.close()
 
     app = FastAPI(title="kvferry router", lifespan=lifespan)
+    app.add_middleware(AdmissionMiddleware, admission=Admission(  # type: ignore[arg-type]
+        settings.max_active, settings.max_queued, settings.queue_timeout_s),
+        on_refused=lambda path, kind: metrics.errors.labels(
+            endpoint=bodies.CHAT if "chat" in path else bodies.COMPLETIONS, leg="router",
+            kind=kind).inc())
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.conversations = conversations

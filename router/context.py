@@ -14,6 +14,7 @@ from .conversations import Conversations
 from .errors import RouterError
 from .metrics import RouterMetrics
 from .settings import RouterSettings
+from .stream_client import StreamClient
 from .upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class FlowContext:
     conversations: Conversations | None = None
     turn_policy: Any = None  # d_local.policy_of: (PolicyConfig, LocalBudget), made on first use
     kv_index: Any = None  # kv_index.PrefixIndex of the prefill engines, with KV events
+    streams: StreamClient | None = None  # decode legs (aiohttp); None: through `client`
 
     def timeout(self, leg: str) -> httpx.Timeout:
         """Per-leg timeouts: connect is short; read bounds each wait for bytes.

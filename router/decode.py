@@ -22,6 +22,7 @@ from .errors import RouterError, from_status, from_transport, never_sent
 from .first_token import Head
 from .migrate import Migration
 from .sse import ChunkFilter, EngineFieldFilter, Leg, UpstreamStream
+from .stream_client import LegResponse, open_leg
 from .upstreams import Upstream
 from .wire import HDR_DECODE, HDR_TRANSFER
 
@@ -82,11 +83,9 @@ async def send_decode(
     ctx.decode.acquire(d)
     handed_off = False
     try:
-        req = ctx.client.build_request(
-            "POST", d.url + path, content=bodies.encode(body), headers=json_headers(headers),
-            timeout=ctx.timeout("decode"))
         try:
-            resp = await ctx.client.send(req, stream=True)
+            resp = await open_leg(ctx.streams, ctx.client, d.url + path, bodies.encode(body),
+                                  json_headers(headers), ctx.timeout("decode"))
         except httpx.HTTPError as exc:
             err = from_transport(exc, "decode", d.url)
             wire_failed(ctx.decode, d, err)
@@ -176,7 +175,7 @@ async def send_decode_or_next(
 def _stream(
     ctx: FlowContext,
     endpoint: str,
-    resp: httpx.Response,
+    resp: LegResponse,
     d: Upstream,
     started: float,
     resp_headers: dict[str, str],

@@ -39,6 +39,7 @@ from .errors import RouterError, from_transport
 from .prefill import build_legs, prefill_with_retry
 from .resume import EventRewriter, Progress, closing_events, continuation_body, unsupported
 from .sse import ChainedFilter, EngineFieldFilter, Leg
+from .stream_client import LegResponse, open_leg
 from .upstreams import Upstream
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Migration:
         """D's leg: asked for token ids when the stream can be continued."""
         return body if self.why_not else {**body, "return_token_ids": True}
 
-    def leg(self, resp: httpx.Response, d: Upstream, offset: int | None = None) -> Leg:
+    def leg(self, resp: LegResponse, d: Upstream, offset: int | None = None) -> Leg:
         """A D answer as a leg of the client's stream: D's events recorded and rewritten
         (when continuable), then engine-owned fields removed."""
         self.failed.add(d.url)
@@ -137,7 +138,7 @@ class Migration:
         return self._give_up("no_engine", err, "no decode engine left")
 
     async def _pair(self, d: Upstream, path: str, body: dict[str, Any]
-                    ) -> httpx.Response | RouterError | None:
+                    ) -> LegResponse | RouterError | None:
         """Prefill `body` on a P, then open D's stream from that P's KV: D's answer, None
         when D refused, or why no P served the prefill."""
         ctx = self.ctx
@@ -159,12 +160,11 @@ class Migration:
         if self.turn is not None:  # a fresh lease: whatever the broken D granted is stale
             self.turn.lease_id = uuid.uuid4().hex
             kv = {**kv, **self.turn.lease_request(ctx.settings.lease_ttl_s)}
-        req = ctx.client.build_request(
-            "POST", d.url + path, content=bodies.encode(bodies.decode_body(body, kv or None)),
-            headers=json_headers(headers), timeout=ctx.timeout("decode"))
         ctx.decode.acquire(d)
         try:
-            resp = await ctx.client.send(req, stream=True)
+            resp = await open_leg(ctx.streams, ctx.client, d.url + path,
+                                  bodies.encode(bodies.decode_body(body, kv or None)),
+                                  json_headers(headers), ctx.timeout("decode"))
         except httpx.HTTPError as exc:
             ctx.decode.release(d)
             wire_failed(ctx.decode, d, from_transport(exc, "decode", d.url))

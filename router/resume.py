@@ -19,6 +19,7 @@ original prompt and every generated token, and logprob text offsets keep countin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,9 @@ def continuation_body(progress: Progress, clean: dict[str, Any]) -> dict[str, An
 
 
 _DONE = b"data: [DONE]"
+_UNFINISHED = b'"finish_reason":null'
+_TOKEN_IDS_KEY = b'"token_ids":'
+_TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9, ]*)\]')
 
 
 class EventRewriter:
@@ -138,6 +142,9 @@ class EventRewriter:
         self._on_splice: Callable[[bool], None] | None = None
         self.mismatch = False
         """D's token 1 was not P's (`splice`): D is fine, only this stream must move."""
+        self._fast = True
+        """Plain token events may skip parsing (`_plain_token`); off once an event carries
+        logprobs, whose text offsets need every event's text counted."""
 
     def splice(self, token_id: int, text: str,
                on_result: Callable[[bool], None] | None = None) -> None:
@@ -160,6 +167,9 @@ class EventRewriter:
         return None if self.done else "ended before [DONE]"
 
     def feed(self, chunk: bytes) -> bytes:
+        if (not self._held and self.error is None and chunk.endswith(b"\n\n")
+                and chunk.find(b"\n\n") == len(chunk) - 2 and b"\r" not in chunk):
+            return self._event(chunk[:-2], b"\n\n")  # one whole event: vLLM's chunks
         data = self._held + chunk
         end = last_event_end(data)
         self._held = data[end:]
@@ -184,6 +194,10 @@ class EventRewriter:
     def _event(self, event: bytes, sep: bytes) -> bytes:
         if self.error is not None:
             return b""
+        if self._fast and self.offset is None and not self._spliced and self.p.id is not None:
+            fast = self._plain_token(event)
+            if fast is not None:
+                return fast + sep
         if event.startswith(_DONE):
             self.done = True
             return event + sep
@@ -210,6 +224,29 @@ class EventRewriter:
         self.p.events += 1
         return (b"data: " + msgspec.json.encode(obj) if changed else event) + sep
 
+    def _plain_token(self, event: bytes) -> bytes | None:
+        """The common event (one choice's next token, not the last, nothing else to record)
+        handled on its bytes: its token ids recorded and, unless the client asked for them,
+        nulled; None when the event needs the parsing path. Safe on bytes: JSON escapes
+        every quote inside a string, so `"token_ids":` can only be a key."""
+        if (not event.startswith(b"data: {") or _UNFINISHED not in event
+                or b'"error"' in event or b"prompt_token_ids" in event or b'"role"' in event
+                or event.count(_TOKEN_IDS_KEY) != 1):
+            return None
+        m = _TOKEN_IDS.search(event)
+        if m is None:
+            return None
+        ids = m.group(1)
+        if ids.strip():
+            try:
+                self.p.sent.extend(map(int, ids.split(b",")))
+            except ValueError:
+                return None
+        self.p.events += 1
+        if self.p.want_ids:
+            return event
+        return event[:m.start()] + b'"token_ids":null' + event[m.end():]
+
     # -- the stream's first answer: record, null what the client did not ask for -----------
     def _first(self, obj: dict[str, Any]) -> bool:
         p = self.p
@@ -224,6 +261,8 @@ class EventRewriter:
                 p.role_sent = True
             if isinstance(text := choice.get("text"), str):
                 p.text_chars += len(text)
+            if choice.get("logprobs") is not None:
+                self._fast = False
             if choice.get("finish_reason") is not None:
                 p.finished = True
         return changed

@@ -87,6 +87,12 @@ class RouterSettings(BaseModel):
         300.0, gt=0, description="Read timeout for the decode leg, per received chunk."
     )
     max_connections: int = Field(1024, gt=0, description="httpx pool size shared by all upstreams.")
+    max_active: int = Field(512, gt=0, description="Completions one router process serves at "
+                            "once (a stream until its end); more wait (router/admission.py).")
+    max_queued: int = Field(1024, ge=0, description="Requests that may wait for admission; "
+                            "beyond, 429 with Retry-After.")
+    queue_timeout_s: float = Field(10.0, gt=0, description="Longest wait for admission; then "
+                                   "503 with Retry-After.")
     push_report_wait_s: float = Field(
         2.0, ge=0, description="Push: how long D's JSON answer, or its stream's [DONE], may "
         "wait for P's answer (reuse and timing fields); P's answer is due once D answers, "

@@ -7,6 +7,7 @@ closed in every case: normal end, upstream error, and client disconnect (watched
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -21,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from . import bodies
 from .errors import RouterError, error_body, from_transport
 from .sse_framing import event_ends, last_event_end
+from .stream_client import LegResponse
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ class EngineFieldFilter:
         """Events from which a field was removed (a counter tests and metrics read)."""
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self._held and chunk.endswith(b"\n\n") and not any(m in chunk for m in _MARKERS):
+            return self._done(chunk) if DONE in chunk else chunk  # whole events, none to scrub
         data = self._held + chunk
         end = last_event_end(data)
         self._held = data[end:]
@@ -172,7 +176,7 @@ class ChainedFilter:
 class Leg:
     """One upstream answer serving a client stream (its first, or a continuation)."""
 
-    response: httpx.Response
+    response: LegResponse
     url: str
     filter: ChunkFilter | None = None
     """This answer's own rewriting; what it holds back when the answer breaks (an
@@ -250,7 +254,7 @@ class UpstreamStream(Response):
         self._head = head
         self._first_leg = first
         self._relayed = False  # a chunk of a leg went on: the head is too late
-        self._send_lock = anyio.Lock()
+        self._send_lock = asyncio.Lock()  # anyio's yields to the loop on every acquire
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         clean = False
@@ -331,7 +335,11 @@ class UpstreamStream(Response):
         return True
 
     async def _relay(self, leg: Leg, send: Send) -> RouterError | None:
-        """Pass one leg on; None when it ended complete, else what broke it."""
+        """Pass one leg on; None when it ended complete, else what broke it.
+
+        The token path: per chunk only bytes searches and the filters' own fast paths;
+        the send lock is taken only while a head event may still go first."""
+        flt, cut = leg.filter, leg.cut
         try:
             async for chunk in leg.response.aiter_bytes():
                 if not chunk:
@@ -344,17 +352,21 @@ class UpstreamStream(Response):
                         wait, self._before_done = self._before_done, None
                         await wait()  # what `chunk_filter` adds before [DONE] may be due
                     self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
-                async with self._send_lock:
-                    if not self._relayed and self._head is not None and leg is self._first_leg:
-                        self._head.lost()  # no-op once it was sent
+                if self._head is None or self._relayed:
                     self._relayed = True
-                    if leg.filter is not None:
-                        chunk = leg.filter.feed(chunk)
-                    await self._to_client(send, chunk)
-                if leg.cut is not None and leg.cut():
+                    await self._to_client(send, flt.feed(chunk) if flt is not None else chunk)
+                else:
+                    async with self._send_lock:
+                        if leg is self._first_leg:
+                            self._head.lost()  # no-op once it was sent
+                        self._relayed = True
+                        if flt is not None:
+                            chunk = flt.feed(chunk)
+                        await self._to_client(send, chunk)
+                if cut is not None and cut():
                     break
-            if leg.filter is not None:
-                await self._to_client(send, leg.filter.flush())
+            if flt is not None:
+                await self._to_client(send, flt.flush())
         except httpx.HTTPError as exc:
             return from_transport(exc, self.leg, leg.url)
         reason = leg.broken() if leg.broken is not None else None

@@ -26,6 +26,13 @@ def event_ends(data: bytes) -> Iterator[tuple[int, int]]:
 
 
 def last_event_end(data: bytes) -> int:
-    """How many leading bytes of `data` are whole events (0: none yet)."""
+    """How many leading bytes of `data` are whole events (0: none yet). One `rfind` on
+    the token path; a scan only where a run of 3+ newlines makes the split ambiguous."""
+    if b"\r" not in data:
+        i = data.rfind(b"\n\n")
+        if i < 0:
+            return 0
+        if i == 0 or data[i - 1] != 0x0A:
+            return i + 2
     ends = [end for _, end in event_ends(data)]
     return ends[-1] if ends else 0

@@ -106,6 +106,15 @@ def router(
         help="Consecutive failures that eject an engine until it answers /health.")] = 3,
     drain_timeout: Annotated[float, typer.Option(
         help="On SIGTERM, seconds in-flight requests get to finish.")] = 30.0,
+    max_active: Annotated[int, typer.Option(
+        envvar="KVFERRY_MAX_ACTIVE", help="Completions served at once (streams count until "
+        "their end); more wait for admission.")] = 512,
+    max_queued: Annotated[int, typer.Option(
+        envvar="KVFERRY_MAX_QUEUED", help="Requests that may wait for admission; more get 429 "
+        "with Retry-After.")] = 1024,
+    queue_timeout: Annotated[float, typer.Option(
+        envvar="KVFERRY_QUEUE_TIMEOUT", help="Seconds a request may wait for admission; then "
+        "503 with Retry-After.")] = 10.0,
     max_migrations: Annotated[int, typer.Option(
         envvar="KVFERRY_MAX_MIGRATIONS", help="Engine pairs a stream may move to after its "
         "decode engine broke mid-stream (0: the stream ends with an SSE error event).")] = 2,
@@ -157,6 +166,7 @@ def router(
             dns_interval_s=dns_interval,
             health_interval_s=health_interval, eject_after=eject_after,
             drain_timeout_s=drain_timeout, max_migrations=max_migrations,
+            max_active=max_active, max_queued=max_queued, queue_timeout_s=queue_timeout,
             d_local_max_new_tokens=d_local_max_new_tokens,
             d_local_busy_tokens_per_s=d_local_busy_tokens_per_s,
             d_local_max_in_flight=d_local_max_in_flight, content_reuse=content_reuse,

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.connectors.protocol.params import SECRET_ENV, SIG, RemotePrefill, parse_offer, prompt_hash, sign
+from kvferry.connectors.protocol.params import (
+    SECRET_ENV,
+    SIG,
+    InvalidParams,
+    RemotePrefill,
+    parse_offer,
+    prompt_hash,
+    sign,
+)
 from kvferry.connectors.protocol.step import RecvTask, StepMeta
 from kvferry.connectors.scheduling.scheduler import TransferScheduler
 
@@ -201,29 +209,28 @@ def test_d_non_remote_requests_load_nothing(params):
 
 
 # -- D side: reject ----------------------------------------------------------------------------
-def expect_rejected(d: TransferScheduler, prompt, params, words: str):
+def expect_rejected(d: TransferScheduler, prompt, params, code: str):
     assert d.matched_tokens("d1", prompt, params, 0) == (0, False)
-    why = d.rejection("d1")
-    assert why is not None and words in why, why
+    assert d.rejection_code("d1") == code, d.rejection("d1")
     d.after_alloc("d1", [1, 2, 3], 0)
     assert d.take_meta() == StepMeta()  # a rejected offer never drives a READ or release
 
 
 def test_d_rejects_offer_for_another_prompt():
     prompt_b = [*PROMPT[:-1], 999]  # same length, one token differs
-    expect_rejected(D(), prompt_b, p_offer(), "different prompt")
+    expect_rejected(D(), prompt_b, p_offer(), "prompt_mismatch")
 
 
 def test_d_rejects_offer_for_another_prompt_length():
-    expect_rejected(D(), [*PROMPT, 5], p_offer(), "different prompt")
+    expect_rejected(D(), [*PROMPT, 5], p_offer(), "prompt_mismatch")
 
 
 def test_d_rejects_offer_with_too_few_blocks():
-    expect_rejected(D(), PROMPT, p_offer(blocks=[11, 12]), "2 blocks for 10 tokens")
+    expect_rejected(D(), PROMPT, p_offer(blocks=[11, 12]), "too_few_blocks")
 
 
 def test_d_rejects_tp_mismatch_when_the_model_heads_are_unknown():
-    expect_rejected(D(tp=2), PROMPT, p_offer(tp=1), "TP 1 -> decode TP 2: KV heads unknown")
+    expect_rejected(D(tp=2), PROMPT, p_offer(tp=1), "tp_mismatch")
 
 
 def test_d_accepts_another_tp_size_whose_heads_split_and_rejects_one_that_does_not():
@@ -233,28 +240,29 @@ def test_d_accepts_another_tp_size_whose_heads_split_and_rejects_one_that_does_n
     (task,) = d.take_meta().recv
     assert task.offer.remote_tp_size == 4 and task.local_block_ids == [1, 2, 3]
     d3 = TransferScheduler("D0", "10.0.0.2", 5700, BS, 2, num_kv_heads=8)
-    expect_rejected(d3, PROMPT, p_offer(tp=3), "8 KV heads do not split over TP 3")
+    expect_rejected(d3, PROMPT, p_offer(tp=3), "tp_mismatch")
 
 
 def test_d_rejects_offer_signed_by_another_deployment(monkeypatch):
     offer = p_offer()
     monkeypatch.setenv(SECRET_ENV, "other-deployment")
-    expect_rejected(D(), PROMPT, offer, "signature")
+    expect_rejected(D(), PROMPT, offer, "bad_signature")
 
 
 def test_d_rejects_client_forged_block_ids():
     offer = {**p_offer(), "remote_block_ids": [0, 1, 2]}
-    expect_rejected(D(), PROMPT, offer, "signature")
+    expect_rejected(D(), PROMPT, offer, "bad_signature")
 
 
 def test_d_rejects_unsigned_offer():
     offer = p_offer()
     del offer[SIG]
-    expect_rejected(D(), PROMPT, offer, "not signed")
+    expect_rejected(D(), PROMPT, offer, "unsigned")
 
 
 def test_d_rejects_malformed_offer():
-    expect_rejected(D(), PROMPT, {"do_remote_prefill": True, SIG: "0" * 64, "remote_port": "x"}, "malformed")
+    expect_rejected(D(), PROMPT, {"do_remote_prefill": True, SIG: "0" * 64, "remote_port": "x"},
+                    "malformed")
 
 
 def test_d_rejection_is_sticky_until_finished():
@@ -262,7 +270,7 @@ def test_d_rejection_is_sticky_until_finished():
     bad = {**good, "remote_block_ids": [0, 1, 2]}
     assert d.matched_tokens("d1", PROMPT, bad, 0) == (0, False)
     assert d.matched_tokens("d1", PROMPT, good, 0) == (0, False)  # decided: recompute
-    assert d.rejection("d1") is not None
+    assert d.rejection_code("d1") == "bad_signature"
     d.finished("d1", True, [], None, PROMPT)
     assert d.rejection("d1") is None
     assert d.take_meta() == StepMeta()
@@ -272,12 +280,12 @@ def test_d_forged_params_signed_with_the_secret_are_still_checked_against_prompt
     forged = sign(RemotePrefill(remote_engine_id="P0", remote_host="h", remote_port=1,
                                 remote_block_ids=[1, 2, 3], remote_request_id="x",
                                 remote_num_tokens=10, prompt_hash="0" * 32), b"test-secret")
-    expect_rejected(D(), PROMPT, forged, "different prompt")
+    expect_rejected(D(), PROMPT, forged, "prompt_mismatch")
 
 
 def test_d_non_ascii_signature_is_rejected_not_raised():
     offer = {**p_offer(), SIG: "ü" * 64}
-    expect_rejected(D(), PROMPT, offer, "signature")
+    expect_rejected(D(), PROMPT, offer, "unsigned")
 
 
 # -- end to end through both schedulers ----------------------------------------------------------
@@ -290,3 +298,15 @@ def test_p_to_d_round_trip_with_tp2():
     assert t.remote_block_ids == [4, 5, 6] and t.offer.remote_request_id == "p-r"
     assert t.offer.remote_port == 5600 and t.offer.remote_tp_size == 2
     assert p.take_meta().send == ["p-r"]
+
+
+def test_every_rejection_code_is_a_documented_reason():
+    """Each refusal above carries one of InvalidParams.REASONS (what callers branch on)."""
+    codes = set()
+    for prompt, params in ((PROMPT, {**p_offer(), SIG: "ü" * 64}), ([*PROMPT, 5], p_offer()),
+                           (PROMPT, p_offer(blocks=[11, 12])), (PROMPT, "not-an-object")):
+        d = D()
+        d.matched_tokens("d1", prompt, params, 0)
+        codes.add(d.rejection_code("d1"))
+    assert codes == {"unsigned", "prompt_mismatch", "too_few_blocks", "not_an_object"}
+    assert codes <= set(InvalidParams.REASONS)

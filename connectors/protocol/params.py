@@ -38,7 +38,16 @@ S = TypeVar("S", bound=msgspec.Struct)
 
 
 class InvalidParams(ValueError):
-    """kv_transfer_params that must not drive a transfer."""
+    """kv_transfer_params that must not drive a transfer. ``code`` names the reason for
+    callers and tests (one of REASONS); the message is for people."""
+
+    REASONS = ("not_an_object", "unsigned", "no_secret", "malformed", "bad_signature",
+               "unusable", "prompt_mismatch", "too_few_blocks", "tp_mismatch",
+               "block_size_mismatch", "push_incomplete", "bad_lease_id")
+
+    def __init__(self, message: str, code: str = "malformed") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def secret() -> bytes:
@@ -106,21 +115,24 @@ def verify(params: Any, cls: type[S], key: bytes | None = None) -> S:
     `Signed.problem`; raises InvalidParams with the reason."""
     what = cls.WHAT
     if not isinstance(params, Mapping):
-        raise InvalidParams(f"{what} must be an object, got {type(params).__name__}")
+        raise InvalidParams(f"{what} must be an object, got {type(params).__name__}",
+                            "not_an_object")
     sig = params.get(SIG)
     if not isinstance(sig, str) or len(sig) != 64 or not sig.isascii():
-        raise InvalidParams(f"{what} is not signed by a {cls.SIGNER} (bad signature)")
+        raise InvalidParams(f"{what} is not signed by a {cls.SIGNER} (bad signature)", "unsigned")
     k = secret() if key is None else key
     if not k:
-        raise InvalidParams(f"{SECRET_ENV} is not set on this engine: offers cannot be verified")
+        raise InvalidParams(f"{SECRET_ENV} is not set on this engine: offers cannot be verified",
+                            "no_secret")
     try:
         obj = msgspec.convert({f: v for f, v in params.items() if f in cls.__struct_fields__}, cls)
     except msgspec.ValidationError as e:
         raise InvalidParams(f"malformed {what}: {e}") from e
     if not hmac.compare_digest(sig, mac(obj, k)):
-        raise InvalidParams(f"{what} signature does not match (tampered or another deployment)")
+        raise InvalidParams(f"{what} signature does not match (tampered or another deployment)",
+                            "bad_signature")
     if (why := obj.problem()) is not None:
-        raise InvalidParams(f"{what} {why}")
+        raise InvalidParams(f"{what} {why}", "unusable")
     return obj
 
 
@@ -261,7 +273,8 @@ def kv_params(params: Any) -> KvParams:
     if not params:
         return KvParams()
     if not isinstance(params, Mapping):
-        raise InvalidParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
+        raise InvalidParams(f"kv_transfer_params must be an object, got {type(params).__name__}",
+                            "not_an_object")
     try:
         return msgspec.convert({k: v for k, v in params.items() if k in KvParams.__struct_fields__},
                                KvParams)
@@ -280,7 +293,7 @@ def lease_request(raw: Any) -> LeaseRequest:
     except msgspec.ValidationError as e:
         raise InvalidParams(f"malformed lease request: {e}") from e
     if not 0 < len(req.lease_id) <= 128:
-        raise InvalidParams("lease id must have 1-128 characters")
+        raise InvalidParams("lease id must have 1-128 characters", "bad_lease_id")
     if req.ttl is not None and not (math.isfinite(req.ttl) and req.ttl > 0):
         req.ttl = None
     return req

@@ -33,7 +33,7 @@ def check_split(num_kv_heads: int, src_tp: int, dst_tp: int, src: str, dst: str)
     """Each rank here will read its heads from the peer ranks holding them: refuse (with
     InvalidParams) when the model's heads do not split over both sizes."""
     if src_tp != dst_tp and (why := split_problem(num_kv_heads, src_tp, dst_tp)) is not None:
-        raise InvalidParams(f"{src} TP {src_tp} -> {dst} TP {dst_tp}: {why}")
+        raise InvalidParams(f"{src} TP {src_tp} -> {dst} TP {dst_tp}: {why}", "tp_mismatch")
 
 
 @dataclass
@@ -52,7 +52,7 @@ class PullPlanner:
         self.clock = clock
         self.offer_ttl = offer_ttl
         self._offers: dict[str, _Pending] = {}  # D: accepted, not yet allocated
-        self.rejected: dict[str, str] = {}  # D: req id -> why its offer was refused
+        self.rejected: dict[str, InvalidParams] = {}  # D: req id -> why its offer was refused
 
     # -- D ----------------------------------------------------------------------------------
     def matched(self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any],
@@ -65,7 +65,7 @@ class PullPlanner:
             try:
                 offer = self.validate(prompt, params)
             except InvalidParams as e:
-                self.rejected[req_id] = str(e)
+                self.rejected[req_id] = e
                 log.warning("request %s: recomputing locally, offer rejected: %s", req_id, e)
                 return 0, False
             pend = self._offers[req_id] = _Pending(offer, num_computed, len(prompt))
@@ -77,11 +77,12 @@ class PullPlanner:
         """P's offer for exactly this prompt, readable by our ranks; else InvalidParams."""
         offer = parse_offer(params)
         if offer.remote_num_tokens != len(prompt) or offer.prompt_hash != prompt_hash(prompt):
-            raise InvalidParams("offer is for a different prompt (token mismatch)")
+            raise InvalidParams("offer is for a different prompt (token mismatch)",
+                                "prompt_mismatch")
         if blocks_needed(len(prompt), self.block_size) > len(offer.remote_block_ids):
             raise InvalidParams(
-                f"offer has {len(offer.remote_block_ids)} blocks for {len(prompt)} tokens"
-            )
+                f"offer has {len(offer.remote_block_ids)} blocks for {len(prompt)} tokens",
+                "too_few_blocks")
         check_split(self.num_kv_heads, offer.remote_tp_size, self.tp_size, "prefill", "decode")
         return offer
 

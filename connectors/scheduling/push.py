@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvferry.connectors.protocol import timeline
-from kvferry.connectors.protocol.params import KvParams, blocks_needed, prompt_hash, push_answer
+from kvferry.connectors.protocol.params import (
+    InvalidParams,
+    KvParams,
+    blocks_needed,
+    prompt_hash,
+    push_answer,
+)
 from kvferry.connectors.protocol.step import PushSend, RegisterTask, StepMeta
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -43,7 +49,7 @@ class PushPlanner:
         self.block_size = block_size
         self.clock = clock
         self._push: dict[str, _PushPending] = {}  # D: push requests before allocation
-        self.rejected: dict[str, str] = {}  # D: req id -> why it will not be pushed to
+        self.rejected: dict[str, InvalidParams] = {}  # D: req id -> why it will not be pushed to
         self.waiting: dict[str, str] = {}  # D: req id -> transfer id awaiting P's WRITE
         self.landed: dict[str, str] = {}  # D, timeline only: KV in, first step not yet planned
         self.stepping: dict[str, str] = {}  # D, timeline only: first step planned, no token yet
@@ -57,7 +63,8 @@ class PushPlanner:
             if req_id in self.rejected:
                 return 0, False
             if not (kp.transfer_id and kp.remote_host and 0 < kp.remote_port < 65536):
-                self.rejected[req_id] = "push params need transfer_id, remote_host, remote_port"
+                self.rejected[req_id] = InvalidParams(
+                    "push params need transfer_id, remote_host, remote_port", "push_incomplete")
                 log.warning("request %s: recomputing locally: %s", req_id, self.rejected[req_id])
                 return 0, False
             pend = self._push[req_id] = _PushPending(kp.transfer_id, kp.remote_host, kp.remote_port,

@@ -60,7 +60,8 @@ class ReusePlanner:
             offer = parse_lease(kp.reuse)
             check_split(self.num_kv_heads, offer.tp_size, self.tp_size, "decode", "prefill")
             if offer.block_size != self.block_size:
-                raise InvalidParams(f"decode block size {offer.block_size} != {self.block_size}")
+                raise InvalidParams(f"decode block size {offer.block_size} != {self.block_size}",
+                                    "block_size_mismatch")
         except InvalidParams as e:
             log.warning("request %s: not reusing decode's KV: %s", req_id, e)
             self._report[req_id] = ReuseReport(0, "invalid_offer")

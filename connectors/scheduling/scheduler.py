@@ -105,7 +105,7 @@ class TransferScheduler:
         try:
             kp = kv_params(params)
         except InvalidParams as e:
-            self.pull.rejected[req_id] = str(e)
+            self.pull.rejected[req_id] = e
             log.warning("request %s: recomputing locally: %s", req_id, e)
             return 0, False
         if kp.reuse is not None and not kp.do_remote_prefill:
@@ -134,6 +134,15 @@ class TransferScheduler:
 
     def rejection(self, req_id: str) -> str | None:
         """Why D refused to load this request's KV (it recomputes), or None."""
+        why = self._rejected(req_id)
+        return None if why is None else str(why)
+
+    def rejection_code(self, req_id: str) -> str | None:
+        """That refusal's reason code (InvalidParams.REASONS), or None."""
+        why = self._rejected(req_id)
+        return None if why is None else why.code
+
+    def _rejected(self, req_id: str) -> InvalidParams | None:
         return self.pull.rejected.get(req_id) or self.push.rejected.get(req_id)
 
     # -- the end of a request --------------------------------------------------------------

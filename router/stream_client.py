@@ -1,0 +1,128 @@
+"""The decode leg's HTTP client: aiohttp, whose C parser reads D's streamed answer for a
+fraction of httpx's per-chunk cost (httpx + httpcore + h11 + anyio were about half the
+router's CPU per streamed chunk).
+
+Its answers look like the `httpx.Response` the rest of the router knows (`status_code`,
+`headers`, `aiter_bytes`, `aread`, `aclose`) and its failures are raised as the httpx
+exceptions `errors.from_transport` maps, so a refused connection still means "never sent"
+(another D may take the leg) and a dropped one "broke". Timeouts count from when the
+router could act: `connect` bounds the TCP connect only, never a wait for a free pooled
+connection (admission, router/admission.py, bounds how many legs are open), and `read`
+each wait for bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+import aiohttp
+import httpx
+
+
+def _as_httpx(exc: BaseException) -> httpx.HTTPError:
+    """The httpx exception `errors.from_transport` maps like this aiohttp failure."""
+    msg = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(msg)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(msg)
+    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
+        return httpx.ReadTimeout(msg)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return httpx.RemoteProtocolError(msg)
+    return httpx.ReadError(msg)
+
+
+def _buffered(content: aiohttp.StreamReader) -> bytes:
+    """Bytes D sent before its connection broke that aiohttp has not handed out yet: its
+    `readany` raises a broken body's error before returning them (it checks the error
+    first), yet they are D's tokens, the client's stream and migration's count need them.
+    aiohttp has no public call for them (its buffer, as of 3.14)."""
+    buf = getattr(content, "_buffer", None)
+    if not buf:
+        return b""
+    data = b"".join(buf)[getattr(content, "_buffer_offset", 0):]
+    buf.clear()
+    content._buffer_offset = 0  # type: ignore[attr-defined]
+    return data
+
+
+class StreamResponse:
+    """D's answer, opened: the status and headers are in, the body is read on demand."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status_code = resp.status
+        self.headers: Mapping[str, str] = resp.headers
+        self._done = False
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (chunked framing removed)."""
+        content = self._resp.content
+        try:
+            while chunk := await content.readany():
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if rest := _buffered(content):
+                yield rest
+            raise _as_httpx(exc) from exc
+        self._done = True
+
+    async def aread(self) -> bytes:
+        try:
+            data = await self._resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _as_httpx(exc) from exc
+        self._done = True
+        return data
+
+    async def aclose(self) -> None:
+        """Back to the pool when read to its end, else the connection is dropped (the
+        engine then stops generating for it)."""
+        if self._done:
+            self._resp.release()
+        else:
+            self._resp.close()
+
+
+class StreamClient:
+    """One aiohttp session per router app (made inside its event loop)."""
+
+    def __init__(self, max_connections: int, keepalive_s: float) -> None:
+        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0,
+                                         keepalive_timeout=keepalive_s,
+                                         enable_cleanup_closed=False)
+        # trust_env=False: proxy variables must never divert engine traffic.
+        self.session = aiohttp.ClientSession(connector=connector, trust_env=False,
+                                             skip_auto_headers=("User-Agent",))
+
+    async def post(self, url: str, content: bytes, headers: Mapping[str, str],
+                   timeout: httpx.Timeout) -> StreamResponse:
+        """Send the request; returns once D's status line and headers are in."""
+        t = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=timeout.connect,
+                                  sock_read=timeout.read)
+        try:
+            resp = await self.session.post(url, data=content, headers=dict(headers),
+                                           timeout=t, allow_redirects=False)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _as_httpx(exc) from exc
+        return StreamResponse(resp)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+async def open_leg(streams: StreamClient | None, client: httpx.AsyncClient, url: str,
+                   content: bytes, headers: Mapping[str, str], timeout: httpx.Timeout
+                   ) -> StreamResponse | httpx.Response:
+    """POST a decode leg and return its opened answer: through `streams` when the app has
+    one, else httpx (the same interface either way)."""
+    if streams is not None:
+        return await streams.post(url, content, headers, timeout)
+    req = client.build_request("POST", url, content=content, headers=dict(headers),
+                               timeout=timeout)
+    return await client.send(req, stream=True)
+
+
+LegResponse = StreamResponse | httpx.Response
+"""An opened decode answer, whichever client opened it."""

@@ -1,0 +1,150 @@
+"""The router's token path (issue 33): overload refused with 429/503 + Retry-After before
+any engine work (router/admission.py), and the bytes-level fast path of the stream
+rewriter (router/resume.py) giving exactly what the parsing path gives. Real HTTP with
+fake engines (tests/helpers_http.py) where a server is involved."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+from helpers_http import FakeEngine, serve
+
+from kvferry.router.admission import Admission, Refused
+from kvferry.router.app import create_app
+from kvferry.router.resume import EventRewriter, Progress
+from kvferry.router.settings import RouterSettings
+
+
+def test_admission_queue_bounds_and_hands_slots_over() -> None:
+    """One active, one waiting: a third is refused 429 at once; a leaving request hands
+    its slot to the waiter; a wait past the timeout is refused 503."""
+
+    async def run() -> list[Any]:
+        adm = Admission(max_active=1, max_queued=1, queue_timeout_s=0.3)
+        await adm.enter()
+        waiter = asyncio.create_task(adm.enter())
+        await asyncio.sleep(0.01)
+        with pytest.raises(Refused) as full:
+            await adm.enter()
+        adm.leave()  # the slot goes to the waiter
+        await asyncio.wait_for(waiter, 1)
+        got = [full.value.status, adm.active, adm.queued]
+        with pytest.raises(Refused) as late:
+            await adm.enter()  # waits 0.3 s behind the active one
+        got += [late.value.status, adm.queued]
+        adm.leave()
+        got.append(adm.active)
+        return got
+
+    assert asyncio.run(run()) == [429, 1, 0, 503, 0, 0]
+
+
+def test_admission_cancelled_waiter_leaves_no_slot_behind() -> None:
+    async def run() -> list[int]:
+        adm = Admission(max_active=1, max_queued=4, queue_timeout_s=5)
+        await adm.enter()
+        waiter = asyncio.create_task(adm.enter())
+        await asyncio.sleep(0.01)
+        waiter.cancel()  # the client went away while queued
+        await asyncio.gather(waiter, return_exceptions=True)
+        adm.leave()
+        return [adm.active, adm.queued]
+
+    assert asyncio.run(run()) == [0, 0]
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_overload_is_refused_with_retry_after_and_recovers() -> None:
+    """A router at capacity (one stream open, no queue) answers 429 + Retry-After without
+    touching the engines, counts it, and serves again once the stream ended."""
+    p = FakeEngine("P", kv_params={"remote_engine_id": "p"})
+    d = FakeEngine("D", chunks=4, chunk_delay_s=0.4)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}
+    with ExitStack() as stack:
+        settings = RouterSettings(prefill_urls=[stack.enter_context(serve(p.app()))],
+                                  decode_urls=[stack.enter_context(serve(d.app()))],
+                                  max_active=1, max_queued=0, health_interval_s=0)
+        url = stack.enter_context(serve(create_app(settings, b"test")))
+        first_done = threading.Event()
+        first: dict[str, Any] = {}
+
+        def stream_one() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                first["status"] = r.status_code
+                first["body"] = b"".join(r.iter_bytes())
+            first_done.set()
+
+        t = threading.Thread(target=stream_one)
+        t.start()
+        while not d.chunk_sent_at:  # the first stream is open on D
+            assert t.is_alive()
+            threading.Event().wait(0.01)
+        received = len(p.received)
+        refused = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_exceeded"
+        assert len(p.received) == received  # refused before any engine work
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert _metric(metrics, "kvferry_router_errors_total", kind="queue_full") == 1
+        assert first_done.wait(30)
+        t.join()
+        assert first["status"] == 200 and first["body"].rstrip().endswith(b"data: [DONE]")
+        again = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert again.status_code == 200 and b"[DONE]" in again.content
+
+
+def _event(i: int, *, last: bool = False, role: bool = False) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "text": f" t{i}", "logprobs": None,
+                              "finish_reason": "length" if last else None,
+                              "stop_reason": None, "token_ids": [100 + i]}
+    if role:
+        choice["prompt_token_ids"] = [1, 2, 3]
+    obj = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
+           "choices": [choice]}
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("want_ids", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_rewriter_fast_path_matches_parsed_events(want_ids: bool, split: bool) -> None:
+    """Plain token events (handled on their bytes) come out as the parsing path writes
+    them: token ids recorded, nulled unless the client asked, nothing else changed; split
+    or merged chunks give the same events."""
+    events = [_event(0, role=True), *(_event(i) for i in range(1, 6)), _event(6, last=True),
+              b"data: [DONE]\n\n"]
+    progress = Progress("completions", want_ids=want_ids)
+    rw = EventRewriter(progress)
+    raw = b"".join(events)
+    chunks = [raw[i:i + 37] for i in range(0, len(raw), 37)] if split else events
+    out = b"".join(rw.feed(c) for c in chunks) + rw.flush()
+    got = [e for e in out.split(b"\n\n") if e]
+    assert got[-1] == b"data: [DONE]"
+    objs = [json.loads(e[6:]) for e in got[:-1]]
+    assert [o["choices"][0]["text"] for o in objs] == [f" t{i}" for i in range(7)]
+    assert [o["choices"][0]["token_ids"] for o in objs] == (
+        [[100 + i] for i in range(7)] if want_ids else [None] * 7)
+    assert all(o["id"] == "cmpl-1" and o["created"] == 5 for o in objs)
+    assert progress.sent == [100 + i for i in range(7)]
+    assert progress.prompt_ids == [1, 2, 3]
+    assert progress.finished and progress.events == 7 and rw.broken() is None
+
+
+def test_rewriter_error_event_after_plain_tokens_breaks_the_leg() -> None:
+    rw = EventRewriter(Progress("completions", want_ids=False))
+    out = rw.feed(_event(0, role=True)) + rw.feed(_event(1))
+    out += rw.feed(b'data: {"error":{"message":"boom"}}\n\n') + rw.feed(_event(2))
+    assert out.count(b"data: ") == 2  # the error and everything after it are dropped
+    assert rw.broken() == "sent an error event: boom"
