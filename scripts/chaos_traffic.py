@@ -226,22 +226,31 @@ def build(model: str, seed: int, singles: int = 24, conversations: int = 6, turn
     return Workload(out, convs)
 
 
+class NoReference(RuntimeError):
+    """A reference request failed: the stack is broken before any fault, so the run stops.
+    ``status``: the engine's HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def reference(engines: list[str], item: Item, client: httpx.Client) -> dict[str, Any]:
-    """The item served by one prefill engine alone (the first that answers)."""
+    """The item served by the first prefill engine alone, asked once. Nothing retries it:
+    on a healthy, warmed-up stack no reference request fails (126 of 126 over three
+    seeds' workloads, measured on the chaos stack with the warm-up of chaos.run), so a
+    failure here means the stack is broken and the run must say so, not paper over it."""
     body = {k: v for k, v in item.body.items() if k != "stream"}
     if item.endpoint == "completions":
         body["logprobs"] = 5
-    last: Exception | None = None
-    for _ in range(3):
-        for url in engines:
-            try:
-                r = client.post(url + item.path, json=body, timeout=120)
-                r.raise_for_status()
-                return answer(item.endpoint, r.json())
-            except httpx.HTTPError as e:
-                last = e
-        time.sleep(2)
-    raise RuntimeError(f"no reference for an item: {last!r}")
+    try:
+        r = client.post(engines[0] + item.path, json=body, timeout=120)
+    except httpx.HTTPError as e:
+        raise NoReference(f"reference {item.endpoint} request to {engines[0]}: {e!r}") from e
+    if r.status_code != 200:
+        raise NoReference(f"reference {item.endpoint} request to {engines[0]}: HTTP "
+                          f"{r.status_code} {r.text[:300]}", r.status_code)
+    return answer(item.endpoint, r.json())
 
 
 def references(engines: list[str], w: Workload, model: str, client: httpx.Client) -> None:
