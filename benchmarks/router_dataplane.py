@@ -151,7 +151,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: dict, ph: P
             else:
                 ph.ok += 1
             ph.statuses[200] += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         ph.errors.append(f"{type(exc).__name__}: {exc}")
         ph.statuses["transport"] += 1
     return 0.0
