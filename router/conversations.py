@@ -68,6 +68,12 @@ class Conversations:
         self._pending: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    @property
+    def pending_commits(self) -> int:
+        """Streamed turns whose offer this replica is still fetching from D (commit_later):
+        0 once every one has been recorded or dropped."""
+        return len(self._pending)
+
     # -- a turn ------------------------------------------------------------------------
     async def begin(self, body: Mapping[str, Any], headers: Any) -> Turn | None:
         cid = conversation_id_from(body, headers)

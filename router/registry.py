@@ -172,6 +172,11 @@ class ConversationRegistry:
     def size(self) -> int:
         return len(self._d)
 
+    def held(self) -> list[tuple[str, str]]:
+        """Every (tenant, conversation id or content key) held, oldest use first: what an
+        operator or a test may enumerate without reaching into the LRU itself."""
+        return list(self._d)
+
     def __len__(self) -> int:
         return len(self._d)
 

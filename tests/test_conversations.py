@@ -174,10 +174,11 @@ def test_commit_later_fetches_the_offer_from_d(d):
         t1 = await conv.begin(body(), A)
         offer = d.finish_turn(t1)
         conv.commit_later(t1, D_URL)  # a streamed turn: the offer never reached the router
+        assert conv.pending_commits == 1
         t2 = await conv.begin(body(), A)  # waits for the pending commit
         assert t2.entry is not None and t2.entry.lease_id == t1.lease_id
         assert parse_lease(t2.prefill_params()["reuse"]) == parse_lease(offer)
-        assert conv._pending == {}
+        assert conv.pending_commits == 0
         # D kept nothing for this turn (unknown lease): nothing recorded, turn 1 stays.
         conv.commit_later(t2, D_URL)
         t3 = await conv.begin(body(), A)
@@ -267,9 +268,10 @@ def test_end_waits_for_the_last_streamed_turn(d):
         t1 = await conv.begin(body(), A)
         d.finish_turn(t1)
         conv.commit_later(t1, D_URL)  # in flight when the end arrives
+        assert conv.pending_commits == 1
         assert await conv.end("c1", A) is True
         assert d.reason(t1.lease_id) == "released"
-        assert conv.lookup("c1", A)[1] is None and conv._pending == {}
+        assert conv.lookup("c1", A)[1] is None and conv.pending_commits == 0
 
     run(go, d.port)
 

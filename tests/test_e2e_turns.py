@@ -256,7 +256,7 @@ def test_released_conversations_leave_no_block_held(routed: Routed):
     # Content-keyed ones (no id to end them by) are released by the registry on the
     # router's side, as expiry or eviction would.
     conv = routed.app.state.conversations
-    for (tenant, key) in list(conv.registry._d):
+    for (tenant, key) in conv.registry.held():
         if key.startswith(CONTENT_KEY_PREFIX):
             entry = conv.registry.drop(tenant, key)
             asyncio.run(lease_control.call("127.0.0.1", routed.stack.decode.control_port,

@@ -154,7 +154,8 @@ class Stack:
 
     def content_entries(self) -> list:
         reg = self.app.state.conversations.registry
-        return [e for (_, k), e in reg._d.items() if k.startswith(CONTENT_KEY_PREFIX)]
+        return [reg.get(t, k, time.time()) for (t, k) in reg.held()
+                if k.startswith(CONTENT_KEY_PREFIX)]
 
 
 @pytest.fixture
@@ -302,7 +303,7 @@ def test_same_content_from_two_tenants_keeps_two_entries(es: ExitStack):
         a1, _ = s.chat([SYS, user("q" * 300)], key=key)
         _, h = s.chat([SYS, user("q" * 300), assistant(a1), user("hi")], key=key)
         assert h["x-kvferry-route"] == "d_local"
-    tenants = {t for (t, k) in s.app.state.conversations.registry._d
+    tenants = {t for (t, k) in s.app.state.conversations.registry.held()
                if k.startswith(CONTENT_KEY_PREFIX)}
     assert len(tenants) == 2 and ANONYMOUS not in tenants
 
