@@ -120,6 +120,7 @@ def test_up_ssh_and_k8s_run_the_same_engines(instance_type: str, model: str) -> 
         # the environment: `up`'s, plus the instance type's EFA/UCX/LNC variables
         assert ssh_env == {**engine_env(up[role]), **ssh[role].spec.env}
         assert set(ssh[role].spec.env) <= {"FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA",
+                                           "FI_EFA_USE_HUGE_PAGE",
                                            "FI_EFA_ENABLE_SHM_TRANSFER", "UCX_NET_DEVICES",
                                            "NEURON_LOGICAL_NC_CONFIG"}
     # prefill: a pod and `up`'s P own devices 0..TP-1 and the first ports alike
