@@ -18,6 +18,7 @@ from helpers_http import free_port
 pytestmark = pytest.mark.engine
 
 
+@pytest.mark.timeout(960)  # past its own 900 s bound on `kvferry run`, which then reports
 def test_kvferry_run_moves_kv_both_ways(tmp_path):
     ports = [str(free_port()) for _ in range(3)]
     argv = [sys.executable, "-m", "kvferry.scripts.cli", "run", "--prefill-port", ports[0],
