@@ -33,7 +33,7 @@ class RedisServer:
 
     def __init__(self) -> None:
         binary = shutil.which("redis-server")
-        assert binary, "redis-server missing: .ci/setup installs it (apt-get install redis-server)"
+        assert binary, "redis-server missing: bash .ci/setup --tests installs it (apt: redis-server)"
         self.binary = binary
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"

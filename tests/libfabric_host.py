@@ -44,7 +44,7 @@ def skip_reason() -> str | None:
         return (f"no {vendor / b.SNAPSHOT}: the LIBFABRIC tests need the vendored libfabric "
                 "snapshot (a user's host has its own libfabric; see kvferry.neuron.envcheck)")
     if prefix() is None:
-        return "libfabric not built yet: run .ci/setup (or python .ci/build_libfabric.py)"
+        return "libfabric not built yet: run bash .ci/setup --tests (or python .ci/build_libfabric.py)"
     return None
 
 

@@ -1,4 +1,4 @@
-"""Where the tests find other vLLM versions' Python sources (fetched by .ci/setup)."""
+"""Where the tests find other vLLM versions' Python sources (fetched by .ci/setup-tests)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def sources_root() -> Path:
 
 def source_dir(version: str) -> Path:
     """The folder holding `vllm/` of `version`; fails (never skips) when absent, since
-    .ci/setup fetches every version the tests use."""
+    .ci/setup-tests fetches every version the tests use."""
     d = sources_root() / version
     if not (d / "vllm" / "__init__.py").is_file():
-        raise FileNotFoundError(f"vLLM {version} sources not found in {d}; run bash .ci/setup")
+        raise FileNotFoundError(f"vLLM {version} sources not found in {d}; run bash .ci/setup --tests")
     return d
