@@ -3,8 +3,9 @@
 Each engine rank serves one small, immutable blob: its NIXL agent metadata and KV
 layout. A peer fetches it once per (engine, rank) before its first transfer; the reply
 is cached by the caller. The same socket answers ``b"stats"`` with a live snapshot of the
-rank's transfer counters (stats.py), for tests and operators; any other request (peers
-send ``b"hello"``) still gets the handshake blob. Every request has a deadline so a dead
+rank's transfer counters (stats.py), for tests and operators, and the router's signed
+`send_release` requests (P frees an offer's blocks no D will read); any other request
+(peers send ``b"hello"``) still gets the handshake blob. Every request has a deadline so a dead
 peer is an error, never a hang.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvferry.connectors.protocol import send_release
 from kvferry.connectors.transfer.stats import Snapshot, Stats
 from kvferry.connectors.transfer.stats import decode as decode_stats
 
@@ -76,11 +78,17 @@ class HandshakeServer(ReplyServer):
     def __init__(self, host: str, port: int, payload: dict[str, Any]):
         blob = msgspec.msgpack.encode(payload)
         self.stats: Stats | None = None
+        self.on_release: Callable[[bytes], bytes] | None = None
+        """P's answer to the router's `send_release` requests (set by the worker)."""
         super().__init__(host, port, lambda req: self._answer(req, blob), "side channel")
 
     def _answer(self, req: bytes, blob: bytes) -> bytes:
         if req == STATS:
             return (self.stats or Stats()).encode()
+        if req.startswith(send_release.PREFIX):
+            if self.on_release is None:
+                return send_release.reply(False, "unsupported")
+            return self.on_release(req)
         return blob
 
 

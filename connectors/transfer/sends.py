@@ -44,6 +44,16 @@ class Sends:
         else:
             self._early[msg.req_id] = now + self.send_timeout_s
 
+    def release(self, req_id: str, now: float) -> None:
+        """The router says no D will read ``req_id``'s blocks (D refused or failed the
+        request): free them now, or as soon as the scheduler's step names the request."""
+        self._dones.pop(req_id, None)
+        self.stats.event("sends_released", req_id)
+        if self._waiting.pop(req_id, None) is not None:
+            self.out.report(sent={req_id})
+        else:
+            self._early[req_id] = now + self.send_timeout_s
+
     def expire(self, now: float) -> None:
         """Free what no D read in time; forget early and partial notices past their time."""
         for req_id, deadline in list(self._waiting.items()):

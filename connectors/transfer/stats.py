@@ -36,6 +36,7 @@ COUNTERS = (
     "push_failed",  # D: a push that ended without the KV
     "recomputes",  # either side: a request falls back to computing the KV itself
     "sends_expired",  # P: no decode read an offer's KV within send_timeout_s
+    "sends_released",  # P: the router said no decode will read an offer's KV (D refused it)
     "notifications",  # NIXL notifications received
     "notifications_bad",  # ... that were not kvferry messages
     "thread_errors",  # exceptions the transfer thread caught (logged with a traceback)

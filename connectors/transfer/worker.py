@@ -25,7 +25,8 @@ import msgspec
 
 from kvferry.connectors.config import BUSY_POLL_S, IDLE_POLL_S, ConnectorConfig
 from kvferry.connectors.memory.backends import KVLayout
-from kvferry.connectors.protocol import messages
+from kvferry.connectors.protocol import messages, send_release
+from kvferry.connectors.protocol.lease_control import Refused
 from kvferry.connectors.protocol.params import PROTOCOL_VERSION
 from kvferry.connectors.protocol.step import PushSend, StepMeta
 from kvferry.connectors.protocol.tp_map import Ranks
@@ -66,7 +67,9 @@ class TransferWorker:
         self._server = HandshakeServer(cfg.side_channel_host, cfg.side_channel_port + rank,
                                        msgspec.to_builtins(hello))
         self._server.stats = self.stats
-        self._inbox: queue.Queue[tuple[StepMeta, int] | Ready | LayerFence] = queue.Queue()
+        self._server.on_release = self._on_release
+        self._inbox: queue.Queue[tuple[StepMeta, int] | Ready | LayerFence
+                                 | send_release.ReleaseSend] = queue.Queue()
         self.steps = 0  # engine steps begun (set by the engine thread)
         self.out = ResultBox()
         self.mirror = Mirror(staging, self.stats)
@@ -137,8 +140,21 @@ class TransferWorker:
                 log.exception("kvferry transfer thread")
                 self.stats.add("thread_errors")
 
-    def _take(self, item: tuple[StepMeta, int] | Ready | LayerFence) -> None:
-        if isinstance(item, Ready):
+    def _on_release(self, blob: bytes) -> bytes:
+        """Side-channel thread: the router's signed word that no D will read a request's
+        blocks; the transfer thread frees them (`Sends.release`)."""
+        try:
+            req = send_release.parse(blob)
+        except Refused as e:
+            return send_release.reply(False, e.reason)
+        self._inbox.put(req)
+        return send_release.reply(True)
+
+    def _take(self, item: tuple[StepMeta, int] | Ready | LayerFence
+              | send_release.ReleaseSend) -> None:
+        if isinstance(item, send_release.ReleaseSend):
+            self.sends.release(item.req_id, time.monotonic())
+        elif isinstance(item, Ready):
             self.push_write.ready(item)
         elif isinstance(item, LayerFence):
             self.push_write.layer_fence(item)
