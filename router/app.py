@@ -29,10 +29,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvferry.connectors.protocol.params import SECRET_ENV, secret
 
-from . import bodies
+from . import auth, bodies, intake, validate
 from .admission import Admission, AdmissionMiddleware
 from .context import FlowContext, forward_headers
 from .conversations import Conversations, LeaseUnavailable
+from .engine_limits import LimitsWatch, body_limit
 from .errors import RouterError, error_body, from_status, from_transport
 from .fleet import Fleet
 from .flow import run_request
@@ -43,7 +44,6 @@ from .registry import ConversationEntry
 from .settings import MODES, Mode, RouterSettings
 from .stream_client import StreamClient
 from .upstreams import UpstreamPool
-from .wire import HDR_DECODE
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     """
     metrics = RouterMetrics()
     pool_kw: dict[str, Any] = {"allow_empty": settings.discovers,
-                               "eject_after": settings.eject_after, "metrics": metrics}
+                               "eject_after": settings.eject_after, "metrics": metrics,
+                               "starting": settings.health_interval_s > 0}
     prefill = UpstreamPool("prefill", settings.prefill_urls, metrics.in_flight, **pool_kw)
     decode = UpstreamPool("decode", settings.decode_urls, metrics.in_flight, **pool_kw)
     fleet = Fleet(settings, prefill, decode, metrics)
@@ -88,6 +89,10 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
                     "engines run with", SECRET_ENV)
     conversations = Conversations(settings, metrics, key)
     kv_index = PrefixIndex(settings.kv_index_max_blocks) if settings.prefill_kv_events else None
+    keys = auth.ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
+    gate = auth.Gate(keys, auth.operator_token(settings.operator_token,
+                                               settings.operator_token_file))
+    engine_limits = LimitsWatch(settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -99,9 +104,10 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
         # trust_env=False: proxy variables must never divert engine traffic.
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
             holder["ctx"] = FlowContext(client, settings, prefill, decode, metrics,
-                                        conversations=conversations, kv_index=kv_index)
+                                        conversations=conversations, kv_index=kv_index,
+                                        secret=key, limits=engine_limits)
             holder["ctx"].streams = StreamClient(settings.max_connections, UPSTREAM_KEEPALIVE_S)
-            loops = []
+            loops = [engine_limits.run(client, decode, holder["ctx"].timeout("probe"))]
             if settings.engines_file:
                 loops.append(fleet.watch())
             if settings.prefill_dns or settings.decode_dns:
@@ -138,12 +144,24 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     app.state.draining = False
     app.state.pools = {"prefill": prefill, "decode": decode}
     app.state.kv_index = kv_index
+    app.state.limits = engine_limits
+
+    def refused(endpoint: str, kind: str, resp: Response) -> Response:
+        metrics.errors.labels(endpoint=endpoint, leg="router", kind=kind).inc()
+        return resp
 
     async def handle(request: Request, endpoint: str, path: str) -> Response:
+        """Credentials, size, JSON, what D would refuse: all before any engine work."""
         ctx = holder["ctx"]
         received = time.perf_counter()  # TTFT counts the body's parsing too
+        if (denied := gate.admit(request.headers)) is not None:
+            return refused(endpoint, "unauthorized", denied)
         try:
-            body = bodies.decode(await request.body())
+            raw = await intake.read_capped(request, body_limit(settings, engine_limits.known))
+        except intake.TooLarge as e:
+            return refused(endpoint, "too_large", e.response())
+        try:
+            body = bodies.decode(raw)
         except ValueError:
             return _bad_request("request body must be JSON")
         if not isinstance(body, dict):
@@ -151,16 +169,21 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
         try:
             mode = resolve_mode(settings, request.headers.get("x-kvferry-mode"), body)
         except ValueError as exc:
-            metrics.errors.labels(endpoint=endpoint, leg="router", kind="bad_mode").inc()
-            return _bad_request(str(exc))
+            return refused(endpoint, "bad_mode", _bad_request(str(exc)))
+        if (why := validate.refusal(endpoint, body, engine_limits.known)) is not None:
+            return refused(endpoint, "invalid_request", _bad_request(why))
         metrics.requests.labels(endpoint=endpoint, mode=mode).inc()
         try:
-            return await run_request(ctx, endpoint, path, body, request.headers, mode,
+            resp = await run_request(ctx, endpoint, path, body, request.headers, mode,
                                      received)
         except RouterError as err:
             metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
             log.warning("request failed: %s", err.message)
-            return err.response()
+            resp = err.response()
+        auth.redact(resp.headers)
+        resp.background = _Observe(resp.background, metrics.request_seconds.labels(
+            endpoint=endpoint, code=str(resp.status_code)), received)
+        return resp
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -173,6 +196,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         """D serves the answers, so D's model list is the one clients must see."""
+        if (denied := gate.admit(request.headers)) is not None:
+            return denied
         ctx = holder["ctx"]
         try:
             d = decode.choose()
@@ -188,30 +213,36 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
             except httpx.HTTPError as exc:
                 err = from_transport(exc, "decode", d.url)
                 metrics.errors.labels(endpoint="models", leg=err.leg, kind=err.kind).inc()
-                return err.response({HDR_DECODE: d.url})
+                return err.response()
         if resp.status_code >= 500:
-            err = from_status(resp.status_code, resp.text, "decode", d.url)
-            return err.response({HDR_DECODE: d.url})
+            return from_status(resp.status_code, resp.text, "decode", d.url).response()
         return Response(
             resp.content,
             status_code=resp.status_code,
             media_type=resp.headers.get("content-type", "application/json"),
-            headers={HDR_DECODE: d.url},
         )
 
     @app.get("/health")
-    async def health(deep: bool = False) -> JSONResponse:
-        """Router liveness (503 while draining); with deep=true, 503 unless every
-        engine's /health is 200."""
+    async def health(request: Request, deep: bool = False) -> JSONResponse:
+        """Router liveness (503 while draining). With the operator token: every engine's
+        state, and with deep=true, 503 unless every engine's /health is 200 (without the
+        token deep=true is 403: it makes the router probe every engine)."""
+        gate.admit(request.headers, need_key=False)
+        status = "draining" if app.state.draining else "ok"
+        code = 503 if app.state.draining else 200
+        if not auth.is_operator():
+            if deep:
+                return JSONResponse(error_body("deep health needs the operator token", 403,
+                                               "permission_error"), status_code=403)
+            return JSONResponse({"status": status}, status_code=code)
+
         def view(pool: UpstreamPool) -> list[dict[str, Any]]:
-            return [{"url": u.url, "in_flight": u.in_flight, "ejected": not u.healthy}
+            return [{"url": u.url, "in_flight": u.in_flight, "state": u.state}
                     for u in pool.upstreams]
 
-        out: dict[str, Any] = {"status": "ok", "prefill": view(prefill), "decode": view(decode)}
-        if app.state.draining:
-            return JSONResponse({**out, "status": "draining"}, status_code=503)
-        if not deep:
-            return JSONResponse(out)
+        out: dict[str, Any] = {"status": status, "prefill": view(prefill), "decode": view(decode)}
+        if app.state.draining or not deep:
+            return JSONResponse(out, status_code=code)
         ctx = holder["ctx"]
         entries = out["prefill"] + out["decode"]
 
@@ -230,6 +261,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     @app.get("/v1/kvferry/conversations/{conversation_id}")
     async def conversation(conversation_id: str, request: Request) -> JSONResponse:
         """This API key's conversation: how many of its tokens are cached, until when."""
+        if (denied := gate.admit(request.headers)) is not None:
+            return denied
         _, entry = await conversations.find(conversation_id, request.headers)
         if entry is None:
             return JSONResponse(error_body("no live lease for this conversation", 404,
@@ -240,6 +273,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     async def heartbeat(conversation_id: str, request: Request, ttl: float | None = None
                         ) -> JSONResponse:
         """The conversation is still active: renew its lease on D."""
+        if (denied := gate.admit(request.headers)) is not None:
+            return denied
         try:
             entry = await conversations.heartbeat(conversation_id, request.headers, ttl)
         except LeaseUnavailable as e:
@@ -253,6 +288,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
     @app.delete("/v1/kvferry/conversations/{conversation_id}")
     async def end_conversation(conversation_id: str, request: Request) -> JSONResponse:
         """End of conversation: D frees its blocks now instead of at lease expiry."""
+        if (denied := gate.admit(request.headers)) is not None:
+            return denied
         return JSONResponse({"released": await conversations.end(conversation_id,
                                                                  request.headers)})
 
@@ -275,6 +312,19 @@ def client_view(conversation_id: str, entry: ConversationEntry) -> dict[str, Any
     reuse up to that many), and when the hold ends (unix seconds) unless renewed."""
     return dict(zip(CLIENT_FIELDS, (conversation_id, entry.num_tokens, entry.expiry),
                     strict=True))
+
+
+class _Observe:
+    """A response's background task: records the request's end-to-end time once the
+    server has sent the answer's last byte (stream or JSON), then runs ``then``."""
+
+    def __init__(self, then: Any, hist: Any, started: float) -> None:
+        self.then, self.hist, self.started = then, hist, started
+
+    async def __call__(self) -> None:
+        self.hist.observe(time.perf_counter() - self.started)
+        if self.then is not None:
+            await self.then()
 
 
 async def _every(period_s: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -306,6 +356,12 @@ def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
                 return
             super().handle_exit(sig, frame)
 
+    # Nothing logged per request at the default level: uvicorn's access line and httpx's
+    # "HTTP Request" line cost the token path a formatted write each (debug keeps them).
+    verbose = log_level.lower() in ("debug", "trace")
+    if not verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            access_log=verbose,
                             timeout_graceful_shutdown=settings.drain_timeout_s)
     DrainingServer(config).run()

@@ -43,6 +43,8 @@ class FlowContext:
     turn_policy: Any = None  # d_local.policy_of: (PolicyConfig, LocalBudget), made on first use
     kv_index: Any = None  # kv_index.PrefixIndex of the prefill engines, with KV events
     streams: StreamClient | None = None  # decode legs (aiohttp); None: through `client`
+    secret: bytes | None = None  # the deployment secret: signs messages to the engines
+    limits: Any = None  # engine_limits.LimitsWatch: the engines' max_model_len and version
 
     def timeout(self, leg: str) -> httpx.Timeout:
         """Per-leg timeouts: connect is short; read bounds each wait for bytes.

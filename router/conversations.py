@@ -30,12 +30,12 @@ from dataclasses import replace
 from typing import Any
 
 from . import continuation, history, lease_control
+from .auth import caller_key
 from .conversation_turn import Turn
 from .metrics import RouterMetrics
 from .registry import (
     ConversationEntry,
     ConversationRegistry,
-    api_key_from,
     conversation_id_from,
     tenant_of,
 )
@@ -80,7 +80,7 @@ class Conversations:
         if cid is None and not self.settings.content_reuse:
             return None
         view = history.view_of(body)
-        tenant = tenant_of(api_key_from(headers), self._secret)
+        tenant = tenant_of(caller_key(headers), self._secret)
         if cid is None:  # an explicit id wins; without one, the content may say
             return await continuation.begin(self, tenant, view)
         await self._settle(tenant, cid)  # the previous streamed turn is still being recorded
@@ -98,7 +98,8 @@ class Conversations:
                 num_tokens=int(offer["num_tokens"]), kv_transfer_params=dict(offer),
                 history=dict(turn.history or {}))
         except (KeyError, TypeError, ValueError):
-            log.warning("conversation %s: malformed lease offer from %s", turn.conversation_id,
+            log.warning("conversation %s: malformed lease offer from %s",
+                        history.printable(turn.conversation_id),
                         decode_url)
             return None
         return entry if entry.lease_id == turn.lease_id else None
@@ -171,18 +172,19 @@ class Conversations:
             elif entry is not None:
                 await self._store(turn, entry)
         else:
-            log.info("conversation %s: no lease from %s (%s)", turn.conversation_id, decode_url,
+            log.info("conversation %s: no lease from %s (%s)",
+                     history.printable(turn.conversation_id), decode_url,
                      reply.get("error"))
 
     # -- endpoints ---------------------------------------------------------------------
     def lookup(self, conversation_id: str, headers: Any) -> tuple[str, ConversationEntry | None]:
         """This process's entry (memory state only; `find` asks whichever state is used)."""
-        tenant = tenant_of(api_key_from(headers), self._secret)
+        tenant = tenant_of(caller_key(headers), self._secret)
         return tenant, self.registry.get(tenant, conversation_id, time.time())
 
     async def find(self, conversation_id: str, headers: Any
                    ) -> tuple[str, ConversationEntry | None]:
-        tenant = tenant_of(api_key_from(headers), self._secret)
+        tenant = tenant_of(caller_key(headers), self._secret)
         return tenant, await self.state.get(tenant, conversation_id, time.time())
 
     async def heartbeat(self, conversation_id: str, headers: Any, ttl: float | None = None
@@ -210,7 +212,7 @@ class Conversations:
 
     async def end(self, conversation_id: str, headers: Any) -> bool:
         """End of conversation: forget it and release its blocks on D at once."""
-        tenant = tenant_of(api_key_from(headers), self._secret)
+        tenant = tenant_of(caller_key(headers), self._secret)
         await self._settle(tenant, conversation_id)  # a last streamed turn still recording
         entry = await self.state.drop(tenant, conversation_id)
         self._gauge()

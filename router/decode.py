@@ -40,6 +40,7 @@ class DecodeHooks:
     """
 
     json_fields: Callable[[], dict[str, Any]] | None = None
+    json_headers: Callable[[], dict[str, str]] | None = None  # headers of a 200 JSON answer
     chunk_filter: ChunkFilter | None = None
     on_abort: Callable[[], None] | None = None
     on_success: Callable[[], None] | None = None  # stream ended cleanly
@@ -88,8 +89,10 @@ async def send_decode(
                                   json_headers(headers), ctx.timeout("decode"))
         except httpx.HTTPError as exc:
             err = from_transport(exc, "decode", d.url)
+            ctx.metrics.upstream_answers.labels(leg="decode", code="error").inc()
             wire_failed(ctx.decode, d, err)
             raise err from exc
+        ctx.metrics.upstream_answers.labels(leg="decode", code=str(resp.status_code)).inc()
         passive(ctx.decode, d, resp.status_code < 500)
         try:
             if resp.status_code >= 400 or not stream:
@@ -120,6 +123,8 @@ async def send_decode(
         if hooks.before_json is not None:
             await hooks.before_json()
         extra = hooks.json_fields() if hooks.json_fields else {}
+        if hooks.json_headers is not None:
+            resp_headers = {**resp_headers, **hooks.json_headers()}
     data = finish_json(data, extra)
     return Response(
         data,

@@ -1,15 +1,19 @@
 """OpenAI-style error bodies and the exception that carries them to the HTTP layer.
 
-Every failure names the leg (prefill or decode) and the upstream, so an operator can tell
-from one response which engine to look at.
+Every failure names the leg (prefill or decode) and, in the router's log, the upstream,
+so an operator can tell which engine to look at; clients get the message without engine
+addresses (`RouterError.client_message`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse
+
+_URL = re.compile(r"(?:https?|tcp)://[^\s,;)'\"]+")
 
 
 def error_body(message: str, status: int, err_type: str, code: str | None = None) -> dict[str, Any]:
@@ -30,9 +34,15 @@ class RouterError(Exception):
         self.kind = kind
         self.upstream = upstream  # the engine that failed, where one did
 
+    @property
+    def client_message(self) -> str:
+        """The message without engine addresses (logs keep them; clients never see where
+        the engines are)."""
+        return _URL.sub("<engine>", self.message)
+
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         """JSON response for the client."""
-        body = error_body(self.message, self.status, self.err_type)
+        body = error_body(self.client_message, self.status, self.err_type)
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 

@@ -27,10 +27,12 @@ Conversations (`turns.py`): P is offered the previous turn's KV on D, and D's an
 commits this turn's lease. A short turn skips P: its D serves it from its own prefix
 cache (`d_local.py`, policy in `turn_policy.py`).
 
-Timing for benchmarks: pull responses carry `x-kvferry-prefill-ms` (P leg duration). In
-push the headers leave before P is done, so the value travels in the body instead: a last
-SSE event `data: {"choices": [], "kvferry_prefill_ms": ms}` before `data: [DONE]`, or a
-top-level `kvferry_prefill_ms` field of a JSON answer (only when P has answered by then).
+Timing for benchmarks (operator token only, router/auth.py): answers carry
+`x-kvferry-prefill-ms` (P leg duration). A push stream's headers leave before P is done,
+so there it travels in an SSE comment before `data: [DONE]` (`wire.report_comment`).
+
+A request D would refuse is refused before P works (`validate.py`); a pull D leg that
+fails or is refused after P answered tells P to free its offer now (`offer_release.py`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from . import bodies
+from . import bodies, validate
 from .answers import ms_str, passthrough
 from .context import FlowContext, forward_headers
 from .conversations import Turn
@@ -51,6 +53,7 @@ from .d_local import route_turn
 from .decode import DecodeHooks, choose_decode, send_decode_or_next
 from .errors import BROKE, RouterError
 from .migrate import Migration
+from .offer_release import release_soon
 from .prefill import build_legs, prefill_with_retry
 from .push import run_push
 from .settings import Mode
@@ -155,10 +158,33 @@ async def _serve(
         reused = reuse_report(ctx, turn, kv_params)
         if reused is not None:
             resp_headers[HDR_REUSED], resp_headers[HDR_REUSE_REASON] = str(reused[0]), reused[1]
+    offer = kv_params
+    if (why := _too_long(ctx, endpoint, clean, p_json)) is not None:
+        release_soon(ctx, offer)  # D would refuse it: P's blocks go now
+        raise RouterError(400, why, "invalid_request_error", "router", "invalid_request")
     if turn is not None:
         kv_params = {**(kv_params or {}), **turn.lease_request(ctx.settings.lease_ttl_s)}
     d_body = bodies.decode_body(clean, kv_params)
     d = choose_decode(ctx, turn, broken)
-    return await send_decode_or_next(
-        ctx, endpoint, path, d_body, headers, stream, started, resp_headers, d,
-        lambda up: commit_hooks(ctx, turn, up, DecodeHooks(migration=migration)), "pull")
+    try:
+        resp = await send_decode_or_next(
+            ctx, endpoint, path, d_body, headers, stream, started, resp_headers, d,
+            lambda up: commit_hooks(ctx, turn, up, DecodeHooks(migration=migration)), "pull")
+    except BaseException:
+        release_soon(ctx, offer)  # D failed (or the client left): no D will read the offer
+        raise
+    if resp.status_code >= 400:
+        release_soon(ctx, offer)  # D refused the request
+    return resp
+
+
+def _too_long(ctx: FlowContext, endpoint: str, clean: dict[str, Any], p_json: Any) -> str | None:
+    """vLLM's refusal when D would refuse prompt + max_tokens (engines that refuse rather
+    than clamp: validate.py), now that P's answer says how long the prompt is."""
+    limits = ctx.limits.known if ctx.limits is not None else None
+    if limits is None or not limits.refuses_over_length or not isinstance(p_json, dict):
+        return None
+    prompt_tokens = (p_json.get("usage") or {}).get("prompt_tokens")
+    if not isinstance(prompt_tokens, int):
+        return None
+    return validate.over_length(prompt_tokens, validate.max_tokens_of(endpoint, clean), limits)

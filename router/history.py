@@ -231,6 +231,14 @@ def delta(rec: Mapping[str, Any] | None, view: PromptView) -> Delta | None:
     return None
 
 
+def printable(conversation_id: str) -> str:
+    """A conversation id as logs show it: a content key without its NUL (logs are text;
+    grep treats a file with NUL bytes as binary)."""
+    if conversation_id.startswith(CONTENT_KEY_PREFIX):
+        return "content:" + conversation_id[len(CONTENT_KEY_PREFIX):]
+    return conversation_id
+
+
 def content_key(rec: Mapping[str, Any]) -> str:
     """The registry key of a content-matched conversation whose history is `rec`."""
     return CONTENT_KEY_PREFIX + str(rec["digest"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class RouterMetrics:
@@ -53,6 +54,28 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        self.offers_released = Counter(
+            "kvferry_router_offers_released",
+            "Pull: P ranks told to free an offer no decode will read (D refused or failed "
+            "the request), by P's answer (ok, unreachable, bad_signature...).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.upstream_answers = Counter(
+            "kvferry_router_upstream_answers",
+            "Engine answers by leg (prefill/decode) and HTTP status code; `error` for a "
+            "leg that got no answer (connection refused, timeout, dropped).",
+            ["leg", "code"],
+            registry=self.registry,
+        )
+        self.request_seconds = Histogram(
+            "kvferry_router_request_seconds",
+            "End-to-end time of completions and chat requests: from arrival until the last "
+            "byte of the answer was handed to the server (stream or JSON), by status code.",
+            ["endpoint", "code"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
         self.push_prefill_failures = Counter(
             "kvferry_router_push_prefill_failures",
             "Push-mode prefill legs that failed while decode went on (decode falls back).",
@@ -137,7 +160,8 @@ class RouterMetrics:
         self.state_up.set(1)
         self.upstream_healthy = Gauge(
             "kvferry_router_upstream_healthy",
-            "1 for an engine that receives work, 0 for an ejected one.",
+            "1 for an engine that receives work, 0 for one starting (no good answer yet) "
+            "or ejected.",
             ["role", "upstream"],
             registry=self.registry,
         )

@@ -36,6 +36,7 @@ from . import bodies
 from .context import FlowContext, json_headers, passive, wire_failed
 from .conversations import Turn
 from .errors import RouterError, from_transport
+from .offer_release import release_soon
 from .prefill import build_legs, prefill_with_retry
 from .resume import EventRewriter, Progress, closing_events, continuation_body, unsupported
 from .sse import ChainedFilter, EngineFieldFilter, Leg
@@ -157,6 +158,7 @@ class Migration:
             kv = bodies.extract_kv_params(p_resp.json()) or {}
         except (json.JSONDecodeError, UnicodeDecodeError):
             kv = {}
+        offer = kv
         if self.turn is not None:  # a fresh lease: whatever the broken D granted is stale
             self.turn.lease_id = uuid.uuid4().hex
             kv = {**kv, **self.turn.lease_request(ctx.settings.lease_ttl_s)}
@@ -167,16 +169,21 @@ class Migration:
                                   json_headers(headers), ctx.timeout("decode"))
         except httpx.HTTPError as exc:
             ctx.decode.release(d)
+            ctx.metrics.upstream_answers.labels(leg="decode", code="error").inc()
+            release_soon(ctx, offer)  # no D will read P's offer
             wire_failed(ctx.decode, d, from_transport(exc, "decode", d.url))
             log.warning("migration: decode %s unreachable (%s)", d.url, type(exc).__name__)
             return None
         except BaseException:
             ctx.decode.release(d)
+            release_soon(ctx, offer)
             raise
+        ctx.metrics.upstream_answers.labels(leg="decode", code=str(resp.status_code)).inc()
         passive(ctx.decode, d, resp.status_code < 500)
         if resp.status_code != 200:
             await resp.aclose()
             ctx.decode.release(d)
+            release_soon(ctx, offer)
             log.warning("migration: decode %s answered HTTP %d", d.url, resp.status_code)
             return None
         return resp

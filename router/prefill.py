@@ -23,6 +23,7 @@ from .context import FlowContext, json_headers, passive, wire_failed
 from .errors import RouterError, from_status, from_transport, never_sent
 from .kv_events import choose_prefill
 from .settings import Mode
+from .stream_client import Answer, fetch
 from .upstreams import Upstream
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def build_legs(
 
 async def post_prefill(
     ctx: FlowContext, p: Upstream, path: str, body: dict[str, Any], headers: dict[str, str]
-) -> tuple[httpx.Response, float]:
+) -> tuple[Answer | httpx.Response, float]:
     """POST the prefill leg; returns P's response and the leg's duration in seconds.
 
     5xx and transport failures become RouterError(leg=prefill).
@@ -84,14 +85,15 @@ async def post_prefill(
     t0 = time.perf_counter()
     with ctx.prefill.lease(p):
         try:
-            resp = await ctx.client.post(
-                p.url + path, content=bodies.encode(body), headers=json_headers(headers),
-                timeout=ctx.timeout("prefill"))
+            resp = await fetch(ctx.streams, ctx.client, p.url + path, bodies.encode(body),
+                               json_headers(headers), ctx.timeout("prefill"))
         except httpx.HTTPError as exc:
             err = from_transport(exc, "prefill", p.url)
+            ctx.metrics.upstream_answers.labels(leg="prefill", code="error").inc()
             wire_failed(ctx.prefill, p, err)
             raise err from exc
     secs = time.perf_counter() - t0
+    ctx.metrics.upstream_answers.labels(leg="prefill", code=str(resp.status_code)).inc()
     ctx.metrics.prefill_seconds.observe(secs)
     passive(ctx.prefill, p, resp.status_code < 500)
     if resp.status_code >= 500:
@@ -101,7 +103,7 @@ async def post_prefill(
 
 async def prefill_with_retry(
     ctx: FlowContext, path: str, body: dict[str, Any], headers: dict[str, str]
-) -> tuple[Upstream, httpx.Response, float]:
+) -> tuple[Upstream, Answer | httpx.Response, float]:
     """Pull's P leg on the least-loaded P, retried on other Ps when it failed (wire or 5xx:
     nothing reached the client yet; see the module docstring for how often). Returns (P,
     its answer, seconds)."""

@@ -12,7 +12,6 @@ side). The client gets D's answer; P's answer is awaited in the background.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -25,6 +24,8 @@ from starlette.responses import Response
 from kvferry.connectors.protocol import timeline
 
 from . import bodies, first_token
+from .answers import ms_str
+from .auth import is_operator
 from .context import TIMELINE, FlowContext
 from .conversations import Turn
 from .decode import DecodeHooks, choose_decode, send_decode_or_next
@@ -35,7 +36,17 @@ from .prefill import build_legs, post_prefill, retry_target
 from .sse import InsertBeforeDone, UpstreamStream
 from .turns import commit_hooks, reuse_report
 from .upstreams import Upstream
-from .wire import BODY_PREFILL_MS, BODY_REUSE_REASON, BODY_REUSED, HDR_PREFILL, HDR_TRANSFER
+from .wire import (
+    BODY_PREFILL_MS,
+    BODY_REUSE_REASON,
+    BODY_REUSED,
+    HDR_PREFILL,
+    HDR_PREFILL_MS,
+    HDR_REUSE_REASON,
+    HDR_REUSED,
+    HDR_TRANSFER,
+    report_comment,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,8 @@ class PushPrefill:
     """RouterSettings.push_report_wait_s"""
     answer: Any = None
     """P's parsed JSON answer (200), once it came."""
+    operator: bool = False
+    """The caller may see P's time (router/auth.py)."""
 
     async def answered(self) -> Any:
         """P's answer once its leg ended (None: it failed or carried none)."""
@@ -76,18 +89,23 @@ class PushPrefill:
             return
         await asyncio.wait({self.task}, timeout=self.wait_s)  # never raises for it
 
-    def json_fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {} if self.ms is None else {BODY_PREFILL_MS: round(self.ms, 3)}
+    def json_headers(self) -> dict[str, str]:
+        """A JSON answer's report: its headers leave after P answered, so the pull ones
+        (P's time only for operators: `auth.redact`)."""
+        out = {} if self.ms is None else {HDR_PREFILL_MS: ms_str(self.ms / 1000.0)}
         if self.reused is not None:
-            out[BODY_REUSED], out[BODY_REUSE_REASON] = self.reused
+            out[HDR_REUSED], out[HDR_REUSE_REASON] = str(self.reused[0]), self.reused[1]
         return out
 
-    def sse_event(self) -> bytes | None:
-        fields = self.json_fields()
-        if not fields:
-            return None
-        payload = json.dumps({"choices": [], **fields})
-        return f"data: {payload}\n\n".encode()
+    def sse_report(self) -> bytes | None:
+        """A stream's report: one SSE comment before `[DONE]` (no event vLLM would not
+        send); P's time only for operators."""
+        fields: dict[str, Any] = {}
+        if self.ms is not None and self.operator:
+            fields[BODY_PREFILL_MS] = round(self.ms, 3)
+        if self.reused is not None:
+            fields[BODY_REUSED], fields[BODY_REUSE_REASON] = self.reused
+        return report_comment(fields) if fields else None
 
 
 async def run_push(
@@ -133,7 +151,7 @@ async def run_push(
         first_token.why_not(endpoint, clean, migration.why_not, ctx.settings)
     if first is None:  # P's token 1 goes first
         legs.prefill_body["return_token_ids"] = True
-    leg = PushPrefill(wait_s=ctx.settings.push_report_wait_s)
+    leg = PushPrefill(wait_s=ctx.settings.push_report_wait_s, operator=is_operator())
     p_failed: asyncio.Future[RouterError] = asyncio.get_running_loop().create_future()
 
     def failed(kind: str, detail: str) -> None:
@@ -189,8 +207,8 @@ async def run_push(
 
     def hooks_for(dd: Upstream) -> DecodeHooks:
         return commit_hooks(ctx, turn, dd, DecodeHooks(
-            json_fields=leg.json_fields, before_json=leg.settle, before_done=leg.settle,
-            chunk_filter=InsertBeforeDone(leg.sse_event),
+            json_headers=leg.json_headers, before_json=leg.settle, before_done=leg.settle,
+            chunk_filter=InsertBeforeDone(leg.sse_report),
             on_abort=leg.cancel, migration=migration, head=head()))
 
     # A D that refuses the connection never saw the leg: another D may register with P

@@ -135,6 +135,24 @@ class RouterSettings(BaseModel):
                                    "stream.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight "
                                    "requests may take to finish before the router exits.")
+    # -- who may ask what (auth.py), and how much (intake.py, validate.py) ---------------
+    api_keys_file: str | None = Field(None, description="JSON file `{\"key id\": \"key\"}` of "
+                                      "router API keys, re-read when it changes (rotation "
+                                      "without restart); with it, requests without a listed "
+                                      "key get 401 and tenants are key ids. None: no router "
+                                      "keys (engines may still check theirs).")
+    operator_token: str | None = Field(None, description="Token that unlocks engine identity "
+                                       "headers, /health details and ?deep=true (header "
+                                       "x-kvferry-operator-token). Prefer operator_token_file "
+                                       "or KVFERRY_OPERATOR_TOKEN: flags show in `ps`.")
+    operator_token_file: str | None = Field(None, description="File whose content is the "
+                                            "operator token.")
+    max_body_bytes: int | None = Field(None, gt=0, description="Request bodies above this "
+                                       "get 413 unread (default: sized for the longest "
+                                       "prompt the engines' max_model_len allows).")
+    max_model_len: int | None = Field(None, gt=0, description="The engines' context length "
+                                      "(default: the decode engines' /v1/models "
+                                      "max_model_len).")
     _discovered: dict[str, EngineInfo] = PrivateAttr(default_factory=dict)
 
     @field_validator("prefill_urls", "decode_urls")

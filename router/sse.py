@@ -278,6 +278,8 @@ class UpstreamStream(Response):
                 self._on_abort()
             if clean and self._on_success is not None:
                 self._on_success()
+        if self.background is not None:  # as Starlette's responses do, once all was sent
+            await self.background()
 
     async def _pump(self, send: Send) -> bool:
         """Send the legs' bodies; True when the stream ended without an error."""
@@ -323,7 +325,7 @@ class UpstreamStream(Response):
             log.warning("%s stream broke: %s", self.leg, nxt.message)
             if self._on_error is not None:
                 self._on_error(nxt)
-            event = sse_error_event(nxt.message, nxt.status, nxt.err_type)
+            event = sse_error_event(nxt.client_message, nxt.status, nxt.err_type)
             await send({"type": "http.response.body", "body": event, "more_body": True})
             self._sent_all = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})

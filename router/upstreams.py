@@ -10,6 +10,10 @@ Health: `failed` counts consecutive failures (probes and requests alike) and eje
 engine at `eject_after`; `refused` (a connection refused) ejects it at once; `answered`
 re-admits it. When every engine is ejected the pool
 still chooses among all of them: trying is better than refusing for sure.
+With health probes on, an engine starts as "starting" (engines take tens of seconds to
+load, the router two): it gets work only when no engine is healthy, its failures eject
+nothing (no ejection and re-admission of every engine at each start), and its first good
+answer makes it healthy.
 """
 
 from __future__ import annotations
@@ -40,6 +44,16 @@ class Upstream:
     in_flight: int = 0
     healthy: bool = True
     failures: int = 0  # consecutive
+    starting: bool = False  # not answered well yet (health probes on)
+
+    @property
+    def state(self) -> str:
+        """"starting", "healthy" or "ejected"."""
+        return "starting" if self.starting else "healthy" if self.healthy else "ejected"
+
+    @property
+    def serving(self) -> bool:
+        return self.healthy and not self.starting
 
 
 class UpstreamPool:
@@ -47,11 +61,12 @@ class UpstreamPool:
 
     def __init__(self, role: str, urls: list[str], gauge: Gauge | None = None,
                  *, allow_empty: bool = False, eject_after: int = 3,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, starting: bool = False) -> None:
         if not urls and not allow_empty:
             raise ValueError(f"{role} pool needs at least one URL")
         self.role = role
-        self.upstreams = [Upstream(url) for url in urls]
+        self._starting = starting  # engines start as "starting" (health probes on)
+        self.upstreams = [Upstream(url, starting=starting) for url in urls]
         self.eject_after = eject_after
         self._next = 0
         self._gauge = gauge
@@ -66,7 +81,7 @@ class UpstreamPool:
         ups = [u for u in self.upstreams if u.url not in exclude]
         if not ups:
             raise NoUpstream(self.role)
-        healthy = [u for u in ups if u.healthy] or ups
+        healthy = [u for u in ups if u.serving] or ups
         n = len(self.upstreams)
         best: Upstream | None = None
         for i in range(n):
@@ -87,7 +102,7 @@ class UpstreamPool:
         return self.get(url) is not None
 
     def healthy_count(self, exclude: Collection[str] = ()) -> int:
-        return sum(1 for u in self.upstreams if u.healthy and u.url not in exclude)
+        return sum(1 for u in self.upstreams if u.serving and u.url not in exclude)
 
     # -- membership and health ---------------------------------------------------------
     def set_urls(self, urls: list[str]) -> tuple[list[str], list[str]]:
@@ -95,7 +110,8 @@ class UpstreamPool:
         have = {u.url: u for u in self.upstreams}
         added = [u for u in urls if u not in have]
         removed = [u for u in have if u not in urls]
-        self.upstreams = [have.get(u) or Upstream(u) for u in dict.fromkeys(urls)]
+        self.upstreams = [have.get(u) or Upstream(u, starting=self._starting)
+                          for u in dict.fromkeys(urls)]
         self._next = 0
         for url in removed:
             self._forget(url)
@@ -108,14 +124,14 @@ class UpstreamPool:
     def failed(self, up: Upstream) -> bool:
         """Count a failure (probe or request); True if it ejected the engine just now."""
         up.failures += 1
-        return up.failures >= self.eject_after and self._eject(up)
+        return not up.starting and up.failures >= self.eject_after and self._eject(up)
 
     def refused(self, up: Upstream) -> bool:
         """The engine refused a connection: no process listens there (killed, not up yet),
         so it is ejected now rather than after `eject_after` failures; a probe answered
         200 re-admits it. True if it ejected the engine just now."""
         up.failures = max(up.failures + 1, self.eject_after)
-        return self._eject(up)
+        return not up.starting and self._eject(up)
 
     def _eject(self, up: Upstream) -> bool:
         if not up.healthy:
@@ -129,6 +145,10 @@ class UpstreamPool:
     def answered(self, up: Upstream) -> bool:
         """The engine answered well; True if that re-admitted it."""
         up.failures = 0
+        if up.starting:
+            up.starting = False
+            self._set_health_gauges()
+            return False
         if up.healthy:
             return False
         up.healthy = True
@@ -143,7 +163,7 @@ class UpstreamPool:
         self._metrics.upstreams.labels(role=self.role).set(len(self.upstreams))
         for up in self.upstreams:
             self._metrics.upstream_healthy.labels(role=self.role, upstream=up.url).set(
-                1 if up.healthy else 0)
+                1 if up.serving else 0)
 
     def _forget(self, url: str) -> None:
         for gauge in (self._gauge, self._metrics and self._metrics.upstream_healthy):
@@ -158,7 +178,7 @@ class UpstreamPool:
         from .registry import choose_decode
 
         url = choose_decode(preferred, {u.url: u.in_flight for u in self.upstreams},
-                            healthy={u.url for u in self.upstreams if u.healthy})
+                            healthy={u.url for u in self.upstreams if u.serving})
         return self.get(url) if url is not None else self.choose()
 
     def acquire(self, up: Upstream) -> None:

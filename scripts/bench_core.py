@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -18,7 +19,14 @@ from typing import Any
 
 import httpx
 
-from kvferry.router.wire import BODY_PREFILL_MS, HDR_PREFILL_MS, reuse_report
+from kvferry.router.wire import (
+    BODY_PREFILL_MS,
+    HDR_PREFILL_MS,
+    OPERATOR_TOKEN_ENV,
+    OPERATOR_TOKEN_HEADER,
+    parse_report_comment,
+    reuse_report,
+)
 
 MIN_TOKEN_ID = 10
 """Prompt token ids are drawn from [MIN_TOKEN_ID, vocab): low ids are often special tokens."""
@@ -43,6 +51,14 @@ class Target:
     @property
     def salt(self) -> str:
         return self.name
+
+
+def operator_headers() -> dict[str, str]:
+    """The router's operator token (KVFERRY_OPERATOR_TOKEN) as a request header, when set:
+    answers then say which engines served them (x-kvferry-prefill, -decode, -transfer-id)
+    and P's time, which the bench records."""
+    token = os.environ.get(OPERATOR_TOKEN_ENV)
+    return {OPERATOR_TOKEN_HEADER: token} if token else {}
 
 
 def parse_target(spec: str, default_impl: str, default_mode: str) -> Target:
@@ -252,6 +268,9 @@ class StreamState:
 
     def feed(self, line: str, now: float) -> None:
         line = line.strip()
+        if (report := parse_report_comment(line)) is not None:  # a push stream's report
+            self._report(report)
+            return
         if not line.startswith("data:"):
             return
         data = line[5:].strip()
@@ -269,10 +288,7 @@ class StreamState:
             msg = err.get("message") if isinstance(err, dict) else err
             self.res.error = f"stream error: {str(msg)[:200]}"
             return
-        if isinstance(obj.get(BODY_PREFILL_MS), int | float) and self.res.prefill_ms is None:
-            self.res.prefill_ms = float(obj[BODY_PREFILL_MS])
-        if self.res.reused_tokens is None and (rep := reuse_report({}, obj)) is not None:
-            self.res.reused_tokens, self.res.reuse_reason = rep
+        self._report(obj)
         carried = False
         for ch in obj.get("choices") or []:
             text = ch.get("text")
@@ -304,6 +320,13 @@ class StreamState:
                 self.res.tokens_by_second = self._tokens()
             self.res.last = now
 
+    def _report(self, fields: dict[str, Any]) -> None:
+        """The router's fields (P's time, reuse) where the answer carried them."""
+        if isinstance(fields.get(BODY_PREFILL_MS), int | float) and self.res.prefill_ms is None:
+            self.res.prefill_ms = float(fields[BODY_PREFILL_MS])
+        if self.res.reused_tokens is None and (rep := reuse_report({}, fields)) is not None:
+            self.res.reused_tokens, self.res.reuse_reason = rep
+
     def _tokens(self) -> int:
         """Tokens delivered so far: vLLM's running usage count, else token ids, else chunks."""
         if self.usage_tokens is not None:
@@ -323,7 +346,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, body: dict[str
                        res: Result, timeout_s: float) -> Result:
     """POST one streamed completion and fill `res`; never raises, never outlives timeout_s."""
     content = json.dumps(body, separators=(",", ":")).encode()
-    headers = {"content-type": "application/json", **dict(target.headers)}
+    headers = {"content-type": "application/json", **operator_headers(), **dict(target.headers)}
     state = StreamState(res)
     res.sent = time.perf_counter()
     try:

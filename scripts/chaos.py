@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import secrets
 import subprocess
@@ -32,6 +33,8 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+
+from kvferry.router.wire import OPERATOR_TOKEN_ENV
 
 from .chaos_faults import Injector, Plan, hook_events, schedule
 from .chaos_stack import ChaosStack, settle_bound_s
@@ -170,6 +173,9 @@ def run(seed: int, duration_s: float, logs: Path, workers: int = 3, ucx_tls: str
     from .modelgen import write_model
 
     logs.mkdir(parents=True, exist_ok=True)
+    # The books record which pair served each request: only the router's operator sees it
+    # (its process inherits the token; the clients send it: chaos_traffic.send).
+    os.environ.setdefault(OPERATOR_TOKEN_ENV, secrets.token_hex(16))
     model = str(write_model(logs / "model", "tiny", weights=True))
     plan = Plan(logs / "faults-plan.json", seed, logs / "fault-events")
     stack = ChaosStack(model, logs, secrets.token_hex(16), plan.path, ucx_tls)

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from . import sse_client
+from .bench_core import operator_headers
 from .modelgen import CORPUS
 
 # First-step top-5 logprobs within TOL of the reference. tests/stack.py allows 0.15 for
@@ -133,7 +134,7 @@ def differs(got: dict[str, Any], want: dict[str, Any]) -> str:
 def send(router: str, item: Item, client: httpx.Client) -> Outcome:
     """One request, classified; never raises."""
     url = (item.target or router) + item.path
-    headers = {"x-kvferry-mode": item.mode}
+    headers = {"x-kvferry-mode": item.mode, **operator_headers()}
     body = dict(item.body)
     if item.cid is not None and not item.target:
         body["conversation_id"] = item.cid

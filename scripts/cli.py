@@ -140,6 +140,17 @@ def router(
     first_token_chat: Annotated[bool, typer.Option(
         envvar="KVFERRY_FIRST_TOKEN_CHAT", help="Also for chat streams: only where the engines "
         "run no reasoning parser.")] = False,
+    api_keys_file: Annotated[Path | None, typer.Option(
+        envvar="KVFERRY_API_KEYS_FILE", help='JSON file {"key id": "key", ...} of router API '
+        "keys, re-read when it changes: requests without a listed key get 401, tenants are "
+        "key ids.")] = None,
+    operator_token_file: Annotated[Path | None, typer.Option(
+        envvar="KVFERRY_OPERATOR_TOKEN_FILE", help="File holding the operator token (else "
+        "$KVFERRY_OPERATOR_TOKEN): requests with header x-kvferry-operator-token see which "
+        "engines served them, /health's engine list and ?deep=true.")] = None,
+    max_body_bytes: Annotated[int | None, typer.Option(
+        envvar="KVFERRY_MAX_BODY_BYTES", help="Larger request bodies get 413 unread (default: "
+        "sized for the engines' max_model_len).")] = None,
     log_level: str = "info",
 ) -> None:
     """Run the OpenAI-compatible router in front of prefill and decode engines."""
@@ -172,6 +183,9 @@ def router(
             d_local_max_in_flight=d_local_max_in_flight, content_reuse=content_reuse,
             prefill_kv_events=prefill_kv_events or [],
             first_token_from_prefill=first_token_from_prefill, first_token_chat=first_token_chat,
+            api_keys_file=str(api_keys_file) if api_keys_file else None,
+            operator_token_file=str(operator_token_file) if operator_token_file else None,
+            max_body_bytes=max_body_bytes,
         )
     except ValidationError as exc:
         msgs = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())

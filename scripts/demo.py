@@ -7,15 +7,24 @@ which is what a KV-cache-aware router keys its D->P reuse on.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from kvferry.router.wire import HDR_DECODE, HDR_PREFILL, HDR_ROUTE, reuse_report
+from kvferry.router.wire import (
+    HDR_DECODE,
+    HDR_PREFILL,
+    HDR_ROUTE,
+    OPERATOR_TOKEN_ENV,
+    OPERATOR_TOKEN_HEADER,
+    parse_report_comment,
+    reuse_report,
+)
 
 from . import sse_client
 
@@ -71,12 +80,12 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
     first_event: float | None = None
     parts: list[str] = []
     chunks = 0
-    fields: dict[str, Any] = {}  # push mode: the router's fields ride in an SSE event
+    fields: dict[str, Any] = {}  # push mode: the router's fields ride in an SSE comment
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise DemoError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
         try:
-            for event in sse_client.events(r.iter_lines()):
+            for event in sse_client.events(_reports(r.iter_lines(), fields)):
                 fields.update({k: v for k, v in event.items() if k.startswith("kvferry_")})
                 if not event.get("choices"):
                     continue
@@ -104,6 +113,21 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> TurnRes
                       headers.get(HDR_ROUTE, ""))
 
 
+def _reports(lines: Iterator[str], fields: dict[str, Any]) -> Iterator[str]:
+    """The stream's lines, collecting the router's report comment into ``fields``."""
+    for line in lines:
+        if (report := parse_report_comment(line)) is not None:
+            fields.update(report)
+        yield line
+
+
+def operator_headers() -> dict[str, str]:
+    """The operator token (KVFERRY_OPERATOR_TOKEN) as a request header, when set: the
+    demo shows which engines served each turn, which only operators see."""
+    token = os.environ.get(OPERATOR_TOKEN_ENV)
+    return {OPERATOR_TOKEN_HEADER: token} if token else {}
+
+
 def printable(text: str, limit: int = 160) -> str:
     """One line, control characters escaped: random-weight replies can be anything."""
     flat = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
@@ -122,7 +146,8 @@ def run_demo(
     conversation_id = uuid.uuid4().hex
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
     try:
-        with httpx.Client(trust_env=False, timeout=httpx.Timeout(timeout_s, connect=5)) as c:
+        with httpx.Client(trust_env=False, timeout=httpx.Timeout(timeout_s, connect=5),
+                          headers=operator_headers()) as c:
             models = c.get(url + "/v1/models")
             if models.status_code != 200:
                 raise DemoError(f"/v1/models: HTTP {models.status_code}: {models.text[:300]}")

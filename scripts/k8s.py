@@ -28,10 +28,14 @@ ServiceMonitor CRD (tests/test_k8s.py); never applied to a real cluster here.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import shlex
 from typing import Any
 
 from kvferry.connectors.protocol.params import SECRET_ENV
+from kvferry.router.wire import OPERATOR_TOKEN_ENV
 
 from .engines import ROLES
 from .instances import INSTANCES
@@ -167,6 +171,7 @@ def router_argv(s: K8sSettings, plans: dict[str, EnginePlan]) -> list[str]:
         "--prefill-kv-port", str(p.side_channel_port),
         "--decode-control-port", str(d.spec.control_port),
         "--dns-interval", "5",
+        "--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}",
     ]
 
 
@@ -188,7 +193,11 @@ def router_deployment(s: K8sSettings, plans: dict[str, EnginePlan]) -> dict[str,
                     "name": "router", "image": ROUTER_PLACEHOLDER,
                     "command": router_argv(s, plans),
                     "env": [secret_env(SECRET_ENV, SECRET_ENV),
-                            secret_env("KVFERRY_STATE_URL", "STATE_URL")],
+                            secret_env("KVFERRY_STATE_URL", "STATE_URL"),
+                            secret_env(OPERATOR_TOKEN_ENV, "OPERATOR_TOKEN")],
+                    # a mounted Secret changes in place: keys rotate without a restart
+                    "volumeMounts": [{"name": "api-keys", "mountPath": API_KEYS_DIR,
+                                      "readOnly": True}],
                     "ports": [{"name": "http", "containerPort": s.router_port, "protocol": "TCP"}],
                     "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 2},
                     "livenessProbe": {**health, "periodSeconds": 15, "failureThreshold": 4},
@@ -197,6 +206,7 @@ def router_deployment(s: K8sSettings, plans: dict[str, EnginePlan]) -> dict[str,
                     "resources": {"requests": {"cpu": "2", "memory": "2Gi"},
                                   "limits": {"memory": "4Gi"}},
                 }],
+                "volumes": [{"name": "api-keys", "secret": {"secretName": name("api-keys")}}],
             }},
         },
     }
@@ -241,7 +251,27 @@ def secret(s: K8sSettings, value: str) -> dict[str, Any]:
     state = s.redis_url or f"redis://{name('redis')}:6379/0"
     return {"apiVersion": "v1", "kind": "Secret",
             "metadata": {"name": name("secret"), "labels": labels("secret")},
-            "type": "Opaque", "stringData": {SECRET_ENV: value, "STATE_URL": state}}
+            "type": "Opaque", "stringData": {SECRET_ENV: value, "STATE_URL": state,
+                                             "OPERATOR_TOKEN": derived(value, "operator")}}
+
+
+API_KEYS_DIR = "/etc/kvferry/api-keys"
+API_KEYS_FILE = "keys.json"
+
+
+def derived(value: str, purpose: str) -> str:
+    """A credential derived from the deployment secret (reproducible manifests, nothing
+    new to keep): read it back with `kubectl get secret`; replace it there to rotate."""
+    return hmac.new(value.encode(), f"kvferry/{purpose}".encode(), hashlib.sha256).hexdigest()
+
+
+def api_keys_secret(value: str) -> dict[str, Any]:
+    """The router's API keys (`kvferry router --api-keys-file`): one key, id `default`;
+    add or rotate keys by editing the Secret (the router re-reads the mounted file)."""
+    keys = json.dumps({"default": "sk-" + derived(value, "api-key/default")[:40]})
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": name("api-keys"), "labels": labels("secret")},
+            "type": "Opaque", "stringData": {API_KEYS_FILE: keys}}
 
 
 def pdbs(s: K8sSettings) -> list[dict[str, Any]]:
@@ -305,7 +335,7 @@ def manifests(s: K8sSettings, secret_value: str) -> list[Manifest]:
     plans = role_plans(s)
     backend = INSTANCES[s.instance_type].backend
     hw = hardware_sources(s)
-    out = [Manifest("secret.yaml", [secret(s, secret_value)])]
+    out = [Manifest("secret.yaml", [secret(s, secret_value), api_keys_secret(secret_value)])]
     for role in ROLES:
         if backend == "neuron" and s.dra:
             out.append(Manifest(f"{role}-resourceclaimtemplate.yaml",

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from helpers_http import OPERATOR
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -24,7 +25,15 @@ def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
 
 @pytest.fixture
 def client() -> Iterator[httpx.Client]:
-    """A plain HTTP client for talking to routers started in the tests."""
+    """An HTTP client for routers started in the tests, as their operator (it sees which
+    engines served a request); `anon_client` sees what any client sees."""
+    with httpx.Client(trust_env=False, timeout=20, headers=OPERATOR) as c:
+        yield c
+
+
+@pytest.fixture
+def anon_client() -> Iterator[httpx.Client]:
+    """An HTTP client without the operator token."""
     with httpx.Client(trust_env=False, timeout=20) as c:
         yield c
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from helpers_http import OPERATOR
 from stack import STARTUP_S, Engine, complete, serve_kvferry_router, start_engine, warm_up
 
 from kvferry.scripts.engines import available_cpus
@@ -87,6 +88,6 @@ def send(cluster: Cluster, toks: list[int], mode: str, cid: str | None = None
     if cid is not None:
         body["conversation_id"] = cid
     r = httpx.post(cluster.router + "/v1/completions", json=body, timeout=400,
-                   headers={"x-kvferry-mode": mode})
+                   headers={"x-kvferry-mode": mode, **OPERATOR})
     r.raise_for_status()
     return r.json(), r.headers

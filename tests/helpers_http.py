@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -21,9 +22,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvferry.connectors.protocol.lease import LeaseError
+from kvferry.router.wire import OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_HEADER
 from kvferry.scripts import procs
 
 _GIVEN: set[int] = set()
+
+OPERATOR_TOKEN = os.environ.setdefault(OPERATOR_TOKEN_ENV, "tests-operator-token")
+"""Every router the tests start (in process or not) takes this operator token."""
+OPERATOR = {OPERATOR_TOKEN_HEADER: OPERATOR_TOKEN}
+"""Headers of a request from the deployment's operator: it sees which engines served it."""
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from fleet_stack import RedisServer
 from helpers_fleet import AUTH, KEY, P_PARAMS, LeasingD
-from helpers_http import FakeEngine, serve
+from helpers_http import OPERATOR, FakeEngine, serve
 
 from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.router.app import create_app
@@ -61,7 +61,7 @@ def router(stack: ExitStack, **kw: Any) -> tuple[str, FastAPI]:
 
 def turn(url: str, cid: str = "c1", **extra: Any) -> httpx.Response:
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "conversation_id": cid, **extra}
-    return httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=10,
+    return httpx.post(url + "/v1/completions", json=body, headers={**AUTH, **OPERATOR}, timeout=10,
                       trust_env=False)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from fastapi import FastAPI
-from helpers_http import free_port, serve
+from helpers_http import OPERATOR, free_port, serve
 from stack import (
     ROUTERS,
     STARTUP_S,
@@ -88,7 +88,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 def send(c: Cluster, toks: list[int]) -> tuple[dict, str]:
     body = {"model": c.model, "prompt": toks, "max_tokens": 12, "temperature": 0,
             "logprobs": 5, "return_token_ids": True}
-    r = httpx.post(c.url + "/v1/completions", json=body, timeout=300)
+    r = httpx.post(c.url + "/v1/completions", json=body, timeout=300, headers=OPERATOR)
     r.raise_for_status()
     assert_no_engine_fields(r.text)
     return r.json(), r.headers["x-kvferry-prefill"]

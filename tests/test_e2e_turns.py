@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from helpers_http import serve
+from helpers_http import OPERATOR, serve
 from shared_stacks import PairConfig, shared
 from stack import (
     ROUTERS,
@@ -92,7 +92,7 @@ def out_tokens(resp: dict) -> list[int]:
 def turn(r: Routed, toks: list[int], cid: str) -> tuple[dict, httpx.Headers]:
     body = {"model": r.stack.model, "prompt": toks, "max_tokens": 12, "temperature": 0,
             "logprobs": 5, "return_token_ids": True, "conversation_id": cid}
-    resp = httpx.post(r.url + "/v1/completions", json=body, timeout=180)
+    resp = httpx.post(r.url + "/v1/completions", json=body, timeout=180, headers=OPERATOR)
     resp.raise_for_status()
     assert_no_engine_fields(resp.text)
     return resp.json(), resp.headers

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fleet_stack import RedisServer, RouterProcess, wait_for
+from helpers_http import OPERATOR
 from helpers_reuse import expected_reuse, out_tokens
 from stack import (
     STARTUP_S,
@@ -112,7 +113,8 @@ def turn(router: RouterProcess, fleet: Fleet, toks: list[int], cid: str | None
             "logprobs": 5, "return_token_ids": True}
     if cid is not None:
         body["conversation_id"] = cid
-    r = httpx.post(router.url + "/v1/completions", json=body, timeout=300, trust_env=False)
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=300, trust_env=False,
+                   headers=OPERATOR)
     r.raise_for_status()
     assert_no_engine_fields(r.text)
     resp = r.json()
@@ -201,7 +203,8 @@ def test_engine_added_through_the_engines_file_gets_work(fleet: Fleet) -> None:
     tmp.replace(fleet.engines_file)
 
     def decoders(r: RouterProcess) -> list[str]:
-        return [d["url"] for d in httpx.get(r.url + "/health", timeout=5).json()["decode"]]
+        return [d["url"] for d in httpx.get(r.url + "/health", timeout=5,
+                                            headers=OPERATOR).json()["decode"]]
 
     for r in (fleet.a, fleet.b):
         wait_for(lambda r=r: fleet.d1.url in decoders(r), 10 * DISCOVERY_S, "D1 discovered")
@@ -230,7 +233,7 @@ def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> Non
     def run(kill_after: int | None) -> tuple[list[int], str, bytes]:
         ids: list[int] = []
         with httpx.stream("POST", fleet.b.url + "/v1/completions", json=body, timeout=300,
-                          trust_env=False) as r:
+                          trust_env=False, headers=OPERATOR) as r:
             assert r.status_code == 200
             served = r.headers["x-kvferry-decode"]
             raw = b""

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from helpers_http import free_port
+from helpers_http import OPERATOR, free_port
 
 from kvferry.router.kv_events import KvEventSubscriber, decode_batch, prompt_tokens
 from kvferry.router.kv_index import EngineIndex, PrefixIndex, chain, choose
@@ -201,7 +201,7 @@ def test_router_sends_token_prompts_to_the_prefill_holding_them():
             time.sleep(0.1)
 
         def send(prompt) -> str:
-            r = httpx.post(url + "/v1/completions", timeout=10,
+            r = httpx.post(url + "/v1/completions", timeout=10, headers=OPERATOR,
                            json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
             assert r.status_code == 200, r.text
             return r.headers["x-kvferry-prefill"]

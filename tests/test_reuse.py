@@ -135,3 +135,11 @@ def test_decision_invariants(prompt_len, hit_blocks, p_bs, d_bs, now, threshold)
     assert (lo * d_bs, hi * d_bs) == (d.first_token, end)
     assert d.remote_block_ids == o.block_ids[lo:hi]
     assert block_hashes(prompt[:end], d_bs, SALT) == list(o.block_hashes[:hi])
+
+
+def test_a_turn_sharing_nothing_with_the_history_did_not_match():
+    """Issue 37 item 10: a short turn P's own cache covers is "local_hit_covers" only when
+    it continues the offered history; one sharing nothing with it is a mismatch."""
+    other = [t + 7000 for t in PROMPT[:40]]
+    assert decide(prompt=other, hit=32).reason == "prefix_mismatch"
+    assert decide(prompt=PROMPT[:40], hit=32).reason == "local_hit_covers"

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fleet_stack import wait_for
 from helpers_fleet import P_PARAMS, metric, metric_sum
-from helpers_http import FakeEngine, closed_port_url, serve
+from helpers_http import OPERATOR, FakeEngine, closed_port_url, serve
 from helpers_router_fleet import router
 
 _secret = helpers_router_fleet._secret
@@ -48,11 +48,13 @@ def test_ejection_and_readmission(stack) -> None:
     def post() -> httpx.Response:
         return httpx.post(url + "/v1/completions", json=body, timeout=10, trust_env=False)
 
+    wait_for(lambda: pool.get(d1url).state == "healthy", what="D1 healthy")  # not starting
     flag["sick"] = True
     wait_for(lambda: not pool.get(d1url).healthy, what="D1 ejected")
     assert metric(app, "kvferry_router_ejections_total", role="decode", upstream=d1url) == 1
     assert metric(app, "kvferry_router_upstream_healthy", role="decode", upstream=d1url) == 0
-    assert httpx.get(url + "/health", trust_env=False).json()["decode"][1]["ejected"] is True
+    health = httpx.get(url + "/health", trust_env=False, headers=OPERATOR).json()
+    assert health["decode"][1]["state"] == "ejected"
     seen = len(d1.received)
     for _ in range(4):
         assert post().status_code == 200
@@ -77,7 +79,8 @@ def test_passive_failures_eject(stack) -> None:
     url, app = router(stack, prefill_urls=[dead, purl], decode_urls=[durl], eject_after=1)
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
     for _ in range(4):
-        r = httpx.post(url + "/v1/completions", json=body, timeout=10, trust_env=False)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=10, trust_env=False,
+                       headers=OPERATOR)
         assert r.status_code == 200 and r.headers["x-kvferry-prefill"] == purl
     # The first request chose the dead P (ties start at the first), failed before any
     # byte reached the client, and was retried once on P1; then the dead P was ejected.
@@ -104,7 +107,7 @@ def test_push_prefill_retry_before_decode_answered(stack) -> None:
     url, app = router(stack, prefill_urls=[closed_port_url(), purl], decode_urls=[durl],
                       prefill_kv_addrs=["127.0.0.1:5601", "127.0.0.1:5602"])
     r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
-                   headers={"x-kvferry-mode": "push"}, timeout=10, trust_env=False)
+                   headers={"x-kvferry-mode": "push", **OPERATOR}, timeout=10, trust_env=False)
     assert r.status_code == 200 and r.headers["x-kvferry-prefill"] == purl
     assert metric(app, "kvferry_router_retries_total", leg="prefill", mode="push") == 1
     # D serves the leg naming P1's side channel, under P1's transfer; the first D leg was

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -15,6 +14,7 @@ from helpers_http import FakeEngine, serve
 
 from kvferry.router.app import create_app
 from kvferry.router.settings import RouterSettings
+from kvferry.router.wire import parse_report_comment
 from kvferry.scripts.bench_core import Result, Target, send_request
 
 PUSH_REPORT_WAIT_S = RouterSettings.model_fields["push_report_wait_s"].default
@@ -55,6 +55,12 @@ def in_flight(client: httpx.Client, url: str) -> list[int]:
     return [u["in_flight"] for u in health["prefill"] + health["decode"]]
 
 
+def report_of(text: str) -> dict[str, Any]:
+    """The router's report comment of a push stream (`wire.report_comment`)."""
+    (report,) = [r for line in text.splitlines() if (r := parse_report_comment(line)) is not None]
+    return report
+
+
 def sse_events(text: str) -> list[str]:
     return [ln[5:].strip() for ln in text.splitlines() if ln.startswith("data:")]
 
@@ -82,8 +88,8 @@ def test_push_legs_concurrent_bodies_and_json_timing(
     assert p.headers[0]["authorization"] == d.headers[0]["authorization"] == "Bearer k"
     out = r.json()
     assert "kv_transfer_params" not in out and out["choices"][0]["text"] == "d0 answer"
-    assert 300 <= out["kvferry_prefill_ms"] < 800
-    assert "x-kvferry-prefill-ms" not in r.headers  # push: headers leave before P is done
+    assert 300 <= float(r.headers["x-kvferry-prefill-ms"]) < 800  # a JSON answer's headers
+    assert "kvferry_prefill_ms" not in out  # leave after P's: no field beyond OpenAI's
     assert r.headers["x-kvferry-prefill"] and r.headers["x-kvferry-decode"]
 
 
@@ -114,7 +120,7 @@ def test_json_answer_waits_for_a_prefill_answer_that_is_due(
     r = client.post(url + "/v1/completions", headers=PUSH, json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 200, r.text
     assert d.answered_at[0] < p.answered_at[0]
-    assert 600 <= r.json()["kvferry_prefill_ms"] < 600 + PUSH_REPORT_WAIT_S * 1000
+    assert 600 <= float(r.headers["x-kvferry-prefill-ms"]) < 600 + PUSH_REPORT_WAIT_S * 1000
 
 
 def test_push_slow_prefill_does_not_hold_decode(
@@ -126,7 +132,7 @@ def test_push_slow_prefill_does_not_hold_decode(
     r = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
     # D's answer waits for P's at most PUSH_REPORT_WAIT_S (PushPrefill.settle)
     assert r.status_code == 200 and time.monotonic() - t0 < PUSH_REPORT_WAIT_S + 1.0
-    assert "kvferry_prefill_ms" not in r.json()  # P had not answered yet
+    assert "x-kvferry-prefill-ms" not in r.headers  # P had not answered yet
     wait_for(lambda: len(p.received) == 1)
     assert len(d.received) == 1
     # D succeeded, so P's leg is left to finish on its own (not cancelled).
@@ -148,9 +154,8 @@ def test_push_stream_timing_event_before_done(
         assert r.headers["content-type"].startswith("text/event-stream")
         text = r.read().decode()
     events = sse_events(text)
-    assert events[-1] == "[DONE]"
-    timing = json.loads(events[-2])
-    assert timing["choices"] == [] and 200 <= timing["kvferry_prefill_ms"] < 600
+    assert events[-1] == "[DONE]" and len(events) == 5  # D's four, no event of the router's
+    assert 200 <= report_of(text)["kvferry_prefill_ms"] < 600  # an SSE comment
     assert [f"tok{i}" in e for i, e in enumerate(events[:4])] == [True] * 4
     assert d.received[0]["stream"] is True and d.received[0]["messages"][0]["content"] == "hi"
     assert "kvferry_mode" not in d.received[0] and "kvferry_mode" not in p.received[0]
@@ -167,9 +172,8 @@ def test_push_stream_done_waits_for_a_prefill_answer_that_is_due(
                        json={"model": "tiny", "prompt": "x", "stream": True}) as r:
         text = r.read().decode()
     assert d.answered_at[0] < p.answered_at[0]
-    events = sse_events(text)
-    assert events[-1] == "[DONE]"
-    assert 600 <= json.loads(events[-2])["kvferry_prefill_ms"] < 600 + PUSH_REPORT_WAIT_S * 1000
+    assert sse_events(text)[-1] == "[DONE]"
+    assert 600 <= report_of(text)["kvferry_prefill_ms"] < 600 + PUSH_REPORT_WAIT_S * 1000
 
 
 def test_push_stream_without_prefill_answer_has_no_timing_event(
@@ -209,8 +213,7 @@ def test_push_without_prefill_kv_is_400(
     url, p, d = cluster(kv=False)
     r = client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=PUSH)
     assert r.status_code == 400
-    purl = client.get(url + "/health").json()["prefill"][0]["url"]
-    assert r.json()["error"]["message"] == f"push needs --prefill-kv for {purl}"
+    assert r.json()["error"]["message"] == "push needs --prefill-kv for <engine>"  # no address
     assert p.received == [] and d.received == []
     assert in_flight(client, url) == [0, 0]
 

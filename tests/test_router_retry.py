@@ -18,7 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from helpers_fleet import AUTH, KEY, P_PARAMS, LeasingD, metric, reuse_of
-from helpers_http import FakeEngine, closed_port_url, dropping_server, free_port, serve
+from helpers_http import OPERATOR, FakeEngine, closed_port_url, dropping_server, free_port, serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvferry.connectors.protocol.params import SECRET_ENV
@@ -46,8 +46,15 @@ def router(stack: ExitStack, **kw: Any) -> tuple[str, FastAPI]:
 
 
 def post(url: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
+    kw["headers"] = {**OPERATOR, **kw.get("headers", {})}
     return httpx.post(url + "/v1/completions", json=body or BODY, timeout=10,
                       trust_env=False, **kw)
+
+
+def posts(requests: list[bytes]) -> list[bytes]:
+    """The requests a dropping server got that were POSTs (the router also asks each D's
+    /v1/models and /version once, for its context length)."""
+    return [r for r in requests if r.startswith(b"POST")]
 
 
 def exposed(url: str, name: str, **labels: str) -> float | None:
@@ -196,7 +203,8 @@ def test_push_refused_decode_leg_goes_to_another_decode(stack: ExitStack, stream
         assert "tok2" in r.text and r.text.endswith("data: [DONE]\n\n")
         assert "kvferry_prefill_ms" in r.text  # P's report, before [DONE]
     else:
-        assert r.json()["choices"][0]["text"] == "d1 answer" and "kvferry_prefill_ms" in r.json()
+        assert r.json()["choices"][0]["text"] == "d1 answer"
+        assert float(r.headers["x-kvferry-prefill-ms"]) > 0  # P's report, once P answered
     assert metric(app, "kvferry_router_retries_total", leg="decode", mode="push") == 1
     assert metric(app, "kvferry_router_ejections_total", role="decode", upstream=dead) == 1
 
@@ -220,7 +228,7 @@ def test_request_whose_decode_died_holding_it_is_served_by_another_pair(
     else:
         assert r.json()["choices"][0]["text"] == "d1 answer"
     assert r.headers["x-kvferry-decode"] == d1url
-    assert len(dropped) == 1 and len(d1.received) == 1 and len(p.received) == 2
+    assert len(posts(dropped)) == 1 and len(d1.received) == 1 and len(p.received) == 2
     ids = {h["x-request-id"] for h in p.headers}
     assert len(ids) == 2 and d1.headers[0]["x-request-id"] in ids  # a new transfer
     assert metric(app, "kvferry_router_migrations_total", result="rerun") == 1
@@ -235,5 +243,5 @@ def test_a_request_on_the_last_decode_is_not_rerun(stack: ExitStack) -> None:
     url, app = router(stack, prefill_urls=[purl], decode_urls=[dying])
     r = post(url)
     assert r.status_code == 502 and "decode upstream" in r.json()["error"]["message"]
-    assert len(dropped) == 1 and len(p.received) == 1
+    assert len(posts(dropped)) == 1 and len(p.received) == 1
     assert metric(app, "kvferry_router_migrations_total", result="rerun") == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -17,7 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from helpers_http import FakeEngine, free_port, serve
+from helpers_http import OPERATOR, FakeEngine, free_port, serve
 
 from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import SECRET_ENV
@@ -126,7 +127,8 @@ class Stack:
              headers: dict[str, str] | None = None, **extra: Any) -> tuple[str, httpx.Headers]:
         """One turn; the assistant's text (as a client reads it) and the answer's headers."""
         body = {"model": "tiny", "messages": messages, "stream": stream, **extra}
-        h = {**({"authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+        h = {**OPERATOR, **({"authorization": f"Bearer {key}"} if key else {}),
+             **(headers or {})}
         if not stream:
             r = httpx.post(self.url + "/v1/chat/completions", json=body, headers=h, timeout=10)
             assert r.status_code == 200, r.text
@@ -222,7 +224,7 @@ def test_edited_history_with_an_id_goes_to_prefill(es: ExitStack):
 def test_busy_decoder_sends_short_turns_to_prefill(es: ExitStack):
     s = Stack(es, d_local_max_in_flight=1)
     a1, _ = s.chat([SYS, user("q" * 300)], conversation_id="c")
-    with httpx.Client(timeout=10) as c, c.stream(
+    with httpx.Client(timeout=10, headers=OPERATOR) as c, c.stream(
             "POST", s.url + "/v1/chat/completions",
             json={"model": "tiny", "messages": [user("other")], "stream": True, "hold": True}):
         wait_for(lambda: s.app.state.pools["decode"].upstreams[0].in_flight == 1, what="D busy")
@@ -235,7 +237,7 @@ def test_busy_decoder_sends_short_turns_to_prefill(es: ExitStack):
 def test_budget_limits_d_local_prefill_on_a_busy_decoder(es: ExitStack):
     s = Stack(es, d_local_busy_tokens_per_s=1.0, d_local_max_new_tokens=200)
     a1, _ = s.chat([SYS, user("q" * 300)], conversation_id="c")
-    with httpx.Client(timeout=10) as c, c.stream(
+    with httpx.Client(timeout=10, headers=OPERATOR) as c, c.stream(
             "POST", s.url + "/v1/chat/completions",
             json={"model": "tiny", "messages": [user("other")], "stream": True, "hold": True}):
         wait_for(lambda: s.app.state.pools["decode"].upstreams[0].in_flight == 1, what="D busy")
@@ -318,3 +320,16 @@ def test_content_reuse_can_be_turned_off_and_skips_unfollowable_requests(es: Exi
     s2.chat([SYS, user("q" * 300)], n=2)  # two answers: which one continues is unknowable
     assert not s2.content_entries()
     assert not any("lease" in (b.get("kv_transfer_params") or {}) for b in s2.d.received)
+
+
+def test_logs_are_text_for_content_keyed_conversations(es: ExitStack,
+                                                       caplog: pytest.LogCaptureFixture):
+    """Issue 37 item 8: a conversation recognised by its content is keyed by a NUL-led
+    digest; what the router logs of it is text (router.log stays greppable)."""
+    s = Stack(es)
+    s.d.keeper.grant = lambda *a, **k: None  # D grants no lease: the router logs why not
+    caplog.set_level(logging.INFO, logger="kvferry.router")
+    s.chat([SYS, user("q" * 300)])
+    wait_for(lambda: any("no lease" in r.getMessage() for r in caplog.records),
+             what="the missing lease logged")
+    assert all(r.getMessage().isprintable() for r in caplog.records)

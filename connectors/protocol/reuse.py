@@ -100,6 +100,13 @@ def decide_reuse(
                          len(offer.block_hashes) * d_bs), d_bs)
     best = _floor(min(offered, cap), unit)
     if best <= local_hit_tokens:
+        # Nothing to read either way; but "covered" only if the offer is this prompt's
+        # history: a turn sharing nothing with it (a short one, which P's cache covers
+        # by its common head) did not match.
+        head = _floor(min(offered, cap), d_bs)
+        if matching_prefix_tokens(prompt_token_ids[:head], offer.block_hashes, d_bs,
+                                  salt) < head:
+            return Decision("prefix_mismatch")
         return Decision("local_hit_covers")
     if now + lease_margin >= offer.expiry:
         return Decision("lease_expiring")

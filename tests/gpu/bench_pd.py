@@ -26,6 +26,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("KVFERRY_TIMELINE", "1")  # engines inherit it; read at import below
+# The router shows which engines served a request (x-kvferry-transfer-id: the timeline's
+# key) only to its operator; the bench client sends the same token (bench_core).
+os.environ.setdefault("KVFERRY_OPERATOR_TOKEN", "bench-" + os.urandom(8).hex())
 
 from stack import pd_stack  # noqa: E402
 
