@@ -54,8 +54,8 @@ class ConnectorConfig(BaseModel):
     recv_timeout_s: float = Field(30.0, gt=0)
     # Push: P holds a finished prefill this long for D's registration; a registration
     # waits this long for P's prefill (queueing + long prompts); D waits this long for the
-    # WRITE, then keeps its destination blocks quarantined a little longer in case a late
-    # WRITE still lands.
+    # WRITE. Blocks of a push D gave up are reused once P said its WRITE ended, else after
+    # recv_timeout_s (P's WRITE timeout) plus push_quarantine_s (protocol/push_receive.py).
     push_hold_timeout_s: float = Field(push_match.HOLD_TIMEOUT_S, gt=0)
     push_register_timeout_s: float = Field(push_match.REGISTER_TIMEOUT_S, gt=0)
     push_recv_timeout_s: float = Field(push_receive.RECV_TIMEOUT_S, gt=0)

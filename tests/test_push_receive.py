@@ -45,9 +45,19 @@ def test_receiver_timeout_quarantines_then_releases():
     assert r.tick(9.9) == []
     (f,) = r.tick(10.0)
     assert isinstance(f, RecvFailed) and r.state("t1") == "quarantined"
-    assert r.notified("t1", 1) == []  # late WRITE completes: never ready
     assert r.tick(14.9) == []
     assert r.tick(15.0) == [ReleaseDest("t1", "r1", "quarantine over")]
+    assert r.tick(100.0) == []
+
+
+def test_receiver_late_wrote_after_timeout_releases_never_ready():
+    """Every writer finished after D gave up: nothing more can land, the blocks go."""
+    r = rx()
+    r.expect("t1", "r1", {0, 1}, 0.0)
+    r.notified("t1", 0)
+    (f,) = r.tick(10.0)
+    assert isinstance(f, RecvFailed)
+    assert r.notified("t1", 1) == [ReleaseDest("t1", "r1", "P acknowledged")]
     assert r.tick(100.0) == []
 
 
@@ -78,9 +88,11 @@ def test_receiver_abort_quarantines_without_recv_failed():
     r = rx()
     r.expect("t1", "r1", {0}, 0.0)
     assert r.abort("t1", 1.0) == [] and r.abort("t1", 1.0) == []
-    assert r.notified("t1", 0) == []
     assert r.tick(5.9) == []
     assert kinds(r.tick(6.0)) == ["ReleaseDest"]
+    r.expect("t2", "r2", {0}, 0.0)
+    assert r.abort("t2", 1.0) == []  # P's WRITE ends after the abort: released on its Wrote
+    assert r.notified("t2", 0) == [ReleaseDest("t2", "r2", "P acknowledged")]
     assert r.abort("nope", 1.0) == [] and r.failed("nope", "x", 1.0) == []
 
 

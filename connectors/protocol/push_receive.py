@@ -1,9 +1,30 @@
 """Push protocol, D side: readiness from per-rank WRITE notifications, safe reuse after failure.
 
 The request is ready only when every writing P rank notified. A destination block of a
-transfer that failed or timed out on D may still receive a late WRITE, so it stays
-*quarantined* (the glue keeps it allocated) until P's Reject arrives or a grace period
-passed; `ReleaseDest` says when it may be reused. Pure, like `push_match` (P's side).
+transfer that failed, timed out or was aborted on D may still receive a late WRITE, so it
+stays *quarantined* (the glue keeps it allocated) and `ReleaseDest` says when it may be
+reused. Pure, like `push_match` (P's side).
+
+Why a late WRITE can never land in a block that belongs to another request:
+
+1. A P rank WRITEs only blocks of a registration it matched under the transfer id, and
+   never after it ended that id (P's tombstone: a registration or abort after the end is
+   refused), so a WRITE is always for this `_Expect` and ends, on P, in exactly one of: its
+   transport reported DONE (P sends `Wrote` after the data: whole WRITEs carry it on the
+   NIXL transfer itself, layer-wise ones send it once every layer is DONE), or it failed,
+   was never started, or was given up at P's WRITE timeout and released (P sends
+   `Rejected`).
+2. D's blocks are released (`ReleaseDest`) only when every writing rank has said so
+   (`Wrote` or `Rejected`: `settled`), or when the grace period after D gave up passed.
+   D counts that period from its own failure or abort, and it is
+   ``recv_timeout + quarantine`` in the worker (push_recv.py): a WRITE P started before
+   D's abort reached it is released by P at the latest its WRITE timeout (recv_timeout_s)
+   after it started, which was before the abort arrived; ``quarantine`` covers that
+   delivery. A rank D never registered with cannot write and counts as rejected.
+3. A D rank's transfer id is live for one request at a time (push_recv.py refuses a
+   second), and an ended id is tombstoned (`expect` of a stale id releases at once,
+   before anything is registered), so a `Wrote` or WRITE for an earlier request of the
+   same id cannot release or touch a later one's blocks.
 """
 
 from __future__ import annotations
@@ -156,7 +177,8 @@ class PushReceiver:
         return out + self._release_if_settled(transfer_id, x)
 
     def _release_if_settled(self, transfer_id: str, x: _Expect) -> list[RecvAction]:
-        if not (x.rejected and x.settled()):
+        """An abandoned transfer whose every writer rejected or finished: nothing can land."""
+        if x.quarantine_until is None or not x.settled():
             return []
         del self._live[transfer_id]
         self._ended.add(transfer_id, Ended(End.REJECTED, self._now))

@@ -4,8 +4,9 @@ For each `RegisterTask` D fetches P's handshake (cached), sends a signed `Regist
 notification with its destination blocks to the P ranks it leads, and waits in a
 `PushReceiver` for every writing P rank's `Wrote`. Every outcome reaches vLLM as a
 finished receive (decode, or recompute with the blocks reported bad), and D reuses
-destination blocks only when no WRITE can still land (P's rejection, or the quarantine
-after a timeout/abort).
+destination blocks only when no WRITE can still land: every writing P rank said its WRITE
+ended (`Wrote` or `Rejected`), or P's WRITE timeout plus the quarantine passed since D gave
+up (protocol/push_receive.py has the argument).
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ class PushRecv(RankPart):
         super().__init__(io)
         self.cfg = cfg
         self.engine_id = engine_id
+        # A WRITE P started before our abort reached it may run until P's WRITE timeout
+        # (recv_timeout_s, same config) ends it: blocks are never reused before that.
         self.receiver = PushReceiver(recv_timeout=cfg.push_recv_timeout_s,
-                                     quarantine=cfg.push_quarantine_s)
+                                     quarantine=cfg.recv_timeout_s + cfg.push_quarantine_s)
         self._d: dict[str, _DReq] = {}
         self._last_tick = 0.0
 
@@ -120,9 +123,12 @@ class PushRecv(RankPart):
                 self._apply(self.receiver.rejected(task.transfer_id, f"registration failed: {e}",
                                                    now))
             else:  # some P ranks may write: wait them out, and ask them not to
-                d.p_ranks = sent
+                unsent, d.p_ranks = set(d.p_ranks) - set(sent), sent
                 self._apply(self.receiver.failed(task.transfer_id, f"registration failed: {e}",
                                                  now))
+                for p in unsent & expect:  # only we register with them: they never write
+                    self._apply(self.receiver.rejected(task.transfer_id, "not registered",
+                                                       now, p))
             return
         for p in idle:  # a replica nobody reads: its blocks may go now
             self.peers.tell_rank(task.host, task.port, p, messages.Abort(task.transfer_id))

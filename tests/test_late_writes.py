@@ -1,0 +1,126 @@
+"""A WRITE or READ that completes after its request was given up never touches blocks
+that were handed back for another request (issue 36, item 2).
+
+Real NIXL between two in-process workers (tests/helpers_workers.py). The fault hook
+(connectors/transfer/faults.py) holds a transfer's posting back (``post`` ``delay``), so
+the data lands seconds after the abort, as a WRITE a NIC still has queued would. The
+moment a worker reports a request's blocks free, the test writes a marker into them (the
+next request owning them); any byte of the late transfer landing afterwards shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import helpers_workers
+import pytest
+import torch
+from helpers_workers import D_BLOCKS, P_BLOCKS, PROMPT, Engine, d_register, p_done, settle
+
+from kvferry.connectors.transfer import faults
+
+engines = helpers_workers.engines  # in-process P and D workers over real NIXL
+pytestmark = pytest.mark.timeout(60)
+
+MARK = 7.0  # what the blocks' next owner wrote into them
+LAG_S = 1.5  # the transfer lands this long after it was decided, past the abort
+
+
+@pytest.fixture
+def hooks(monkeypatch, tmp_path):
+    """``hooks(rules)`` installs a fault plan; returns the events dir (one line per hit)."""
+    path, events = tmp_path / "plan.json", tmp_path / "events"
+    monkeypatch.setattr(faults, "RELOAD_S", 0.0)
+    monkeypatch.setattr(faults, "ACTIVE", True)
+    monkeypatch.setattr(faults, "_PLAN", faults._Plan(str(path), "test"))
+
+    def rules(rs: list[dict]) -> Path:
+        path.write_text(json.dumps({"seed": 1, "events": str(events), "rules": rs}))
+        os.utime(path, (time.time() + 1, time.time() + 1))
+        return events
+
+    return rules
+
+
+def hits(events: Path, point: str) -> int:
+    return sum(json.loads(line)["point"] == point
+               for f in events.glob("*.jsonl") for line in f.read_text().splitlines())
+
+
+def wait_hit(events: Path, point: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while hits(events, point) == 0:
+        assert time.monotonic() < deadline, f"the {point} hook never fired"
+        time.sleep(0.01)
+
+
+def reuse(e: Engine, ids: list[int]) -> None:
+    """Another request now owns ``ids``: it writes its own KV there."""
+    e.kv["l0"][:, ids] = MARK
+    e.kv["l1"][ids] = MARK
+
+
+def still_reused(e: Engine, ids: list[int]) -> bool:
+    return bool((e.kv["l0"][:, ids] == MARK).all() and (e.kv["l1"][ids] == MARK).all())
+
+
+def d_abort(d: Engine, p: Engine, req: str, tid: str) -> None:
+    """D's request is cancelled (client gone, router timeout, migration) mid-push."""
+    params = {"do_remote_prefill": True, "push": True, "transfer_id": tid,
+              "remote_host": "127.0.0.1", "remote_port": p.port}
+    keep, _ = d.sched.finished(req, False, D_BLOCKS, params, PROMPT)
+    assert not keep
+    meta = d.sched.take_meta()
+    assert meta.push_abort_d == [tid]
+    d.worker.submit(meta)
+
+
+def test_push_write_landing_after_d_abort_never_reaches_reused_blocks(engines, hooks):
+    """P matched D's registration and its WRITE is on its way when D's request is
+    aborted. D hands the blocks back only once P said the WRITE ended (its Wrote after
+    the data), never on a grace period shorter than P's WRITE timeout (on cdd3802: after
+    push_quarantine_s, 0.2 s here, so the WRITE landed in the next owner's blocks)."""
+    p = engines("P", seed=21, recv_timeout_s=5.0)
+    d = engines("D", recv_timeout_s=5.0, push_quarantine_s=0.2)
+    events = hooks([{"point": "post", "action": "delay", "s": LAG_S, "p": 1.0}])
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    p_done(p, "p1", "t1", P_BLOCKS)
+    wait_hit(events, "post")  # P decided the WRITE; it lands LAG_S later
+    t0 = time.monotonic()
+    d_abort(d, p, "d1", "t1")
+    got = d.collect(lambda r: "d1" in r.recvd, 15)
+    released_after = time.monotonic() - t0
+    reuse(d, D_BLOCKS)
+    assert got.recvd == {"d1"} and got.bad_blocks == set(D_BLOCKS)  # never decoded
+    assert p.collect(lambda r: "p1" in r.sent, 15).sent == {"p1"}  # P's WRITE ended
+    settle(d)
+    assert still_reused(d, D_BLOCKS), f"WRITE landed in blocks freed {released_after:.2f} s after the abort"
+    assert released_after < 5.0  # P's word, not the fallback (recv_timeout_s + quarantine)
+    assert p.worker.stats.snapshot().counters["writes_done"] == 1
+    assert d.worker.push_recv.num_tracked == 0 and p.worker.push_write.num_tracked == 0
+
+
+def test_unwritten_blocks_after_d_abort_are_released_on_p_word(engines, hooks):
+    """Control: the same abort before P matched anything releases D's blocks at once on
+    P's Reject, and no WRITE is ever posted."""
+    p = engines("P", seed=22, recv_timeout_s=5.0)
+    d = engines("D", recv_timeout_s=5.0, push_quarantine_s=0.2)
+    events = hooks([{"point": "post", "action": "delay", "s": LAG_S, "p": 1.0}])
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    deadline = time.monotonic() + 10
+    while p.worker.push_write.matcher.state("t1") != "waiting_prefill":
+        assert time.monotonic() < deadline, "registration never reached P"
+        time.sleep(0.01)
+    before = [t.clone() for t in (d.kv["l0"][:, D_BLOCKS], d.kv["l1"][D_BLOCKS])]
+    t0 = time.monotonic()
+    d_abort(d, p, "d1", "t1")
+    got = d.collect(lambda r: "d1" in r.recvd, 15)
+    assert got.bad_blocks == set(D_BLOCKS) and time.monotonic() - t0 < 5.0
+    p_done(p, "p1", "t1", P_BLOCKS)  # the prefill ends after the abort: freed, not written
+    assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
+    settle(d)
+    assert hits(events, "post") == 0
+    assert torch.equal(before[0], d.kv["l0"][:, D_BLOCKS]) and torch.equal(before[1], d.kv["l1"][D_BLOCKS])
