@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,6 +81,8 @@ class InsertBeforeDone:
 
 
 _MARKERS = tuple(f'"{k}"'.encode() for k in bodies.ENGINE_FIELDS)
+_MARKER = re.compile(b"|".join(re.escape(m) for m in _MARKERS))
+"""Any engine-owned field's key: one C-level search per chunk on the token path."""
 
 
 class EngineFieldFilter:
@@ -103,7 +106,7 @@ class EngineFieldFilter:
         """Events from which a field was removed (a counter tests and metrics read)."""
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self._held and chunk.endswith(b"\n\n") and not any(m in chunk for m in _MARKERS):
+        if not self._held and chunk.endswith(b"\n\n") and _MARKER.search(chunk) is None:
             return self._done(chunk) if DONE in chunk else chunk  # whole events, none to scrub
         data = self._held + chunk
         end = last_event_end(data)
