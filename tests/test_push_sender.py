@@ -235,6 +235,9 @@ class SenderMachine(RuleBasedStateMachine):
                 if a.gate is not None:
                     assert self.s.layerwise and not a.gate.opened
                     assert a.gate.item.req_id == owner
+                elif owner not in self.finished:  # early push: its forward is done
+                    k = self.last_chunk[owner]  # and a later step began
+                    assert k in self.passed and self.step > k, "early WRITE before its time"
                 self.writing[tid] = a
             elif isinstance(a, Free):
                 if a.report:
@@ -249,6 +252,9 @@ class SenderMachine(RuleBasedStateMachine):
                     self.rejected.add(a.transfer_id)
             elif isinstance(a, FailWrite):
                 self._end_write(a.transfer_id, ok=False)
+            elif isinstance(a, Mark):  # a forward is done and a later step began
+                assert any(self.reqs[o].transfer_id == a.transfer_id and k in self.passed
+                           and self.step > k for o, k in self.last_chunk.items())
 
     def _end_write(self, tid: str, ok: bool) -> None:
         w = self.writing.pop(tid)
@@ -268,11 +274,12 @@ class SenderMachine(RuleBasedStateMachine):
         prompt = "other" if other_prompt else "h"
         self.reqs[owner] = PushSend(owner, tid, [5, 6, 7], 40, prompt)
 
-    @precondition(lambda self: self._live())
+    @precondition(lambda self: any(o not in self.last_chunk for o in self._live()))
     @rule(data=st.data())
     def compute_last_chunk(self, data) -> None:
-        """A step begins that computes a request's last chunk (push_ready)."""
-        owner = data.draw(st.sampled_from(self._live()))
+        """A step begins that computes a request's last chunk (push_ready): once, or again
+        after a preemption."""
+        owner = data.draw(st.sampled_from([o for o in self._live() if o not in self.last_chunk]))
         self.step += 1
         self.last_chunk[owner] = self.step
         self.preempted.discard(owner)
@@ -311,10 +318,12 @@ class SenderMachine(RuleBasedStateMachine):
     def next_step(self) -> None:
         self.step += 1
 
-    @precondition(lambda self: self.step > 0)
+    @precondition(lambda self: set(self.last_chunk.values()) - self.passed)
     @rule(data=st.data())
     def fence_passes(self, data) -> None:
-        self.passed.add(data.draw(st.integers(1, self.step)))
+        """The forward computing some request's last chunk completes on the device."""
+        self.passed.add(data.draw(st.sampled_from(sorted(set(self.last_chunk.values())
+                                                          - self.passed))))
 
     @rule()
     def poll(self) -> None:
@@ -344,6 +353,11 @@ class SenderMachine(RuleBasedStateMachine):
     def time_passes(self, dt: float) -> None:
         self.now += dt
         self._apply(self.s.tick(self.now))
+
+    @invariant()
+    def gates_only_for_last_chunks_not_preempted(self) -> None:
+        if hasattr(self, "s"):
+            assert self.s.gate_steps() <= set(self.last_chunk.values())
 
     @invariant()
     def gates_open_only_after_their_forward(self) -> None:
