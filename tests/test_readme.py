@@ -309,6 +309,6 @@ def test_layout_names_only_paths_that_exist() -> None:
     block = layout_block()
     for sub in re.findall(r"\b(\w+)/ \(", block):  # "protocol/ (...)" inside connectors/
         assert (ROOT / "connectors" / sub).is_dir(), sub
-    packages = ("connectors", "neuron", "router", "scripts", "tests")
+    packages = ("connectors", "neuron", "router", "scripts", "tests", "benchmarks")
     for module in re.findall(r"\b(\w+\.py)\b", block):
         assert any(list((ROOT / p).rglob(module)) for p in packages), module
