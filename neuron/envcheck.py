@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from . import envcheck_libfabric
 from .findings import MISSING, WARN, Finding, blocking, passed
@@ -64,6 +64,40 @@ def find_library(soname: str, extra_dirs: tuple[str, ...] = ()) -> str | None:
             return p
     found = _ldconfig_paths(soname)
     return found[0] if found else None
+
+
+def hwloc_api_version(path: str) -> tuple[int, int]:
+    """hwloc_get_api_version() of the library at ``path`` (major, minor)."""
+    lib = ctypes.CDLL(path)
+    lib.hwloc_get_api_version.restype = ctypes.c_uint
+    v = lib.hwloc_get_api_version()
+    return v >> 16, (v >> 8) & 0xFF
+
+
+@dataclass(frozen=True)
+class _Lib:
+    """A shared library a check loads to read its version."""
+
+    check: str
+    missing: str  # what fails without it
+    fix: str
+    version: Callable[[str], tuple[int, int]]
+    minimum: tuple[int, int]
+    old_blocks: bool  # an older one cannot work (else: a warning)
+
+
+def _check_lib(lib: _Lib, path: str | None) -> Finding:
+    if not path:
+        return Finding(lib.check, MISSING, lib.missing, lib.fix, blocking=True)
+    try:
+        got = lib.version(path)
+    except (OSError, AttributeError) as e:
+        return Finding(lib.check, MISSING, f"{path} unusable: {e}", lib.fix, blocking=True)
+    have, need = ".".join(map(str, got)), ".".join(map(str, lib.minimum))
+    if got < lib.minimum:
+        return Finding(lib.check, MISSING if lib.old_blocks else WARN,
+                       f"{path} is {have}, need >= {need}", lib.fix, blocking=lib.old_blocks)
+    return passed(lib.check, f"{path} version {have}")
 
 
 def libfabric_version(path: str) -> tuple[int, int]:
@@ -109,39 +143,21 @@ def check_map_hbm(env: Mapping[str, str]) -> Finding:
 
 
 def check_libfabric(path: str | None = None) -> Finding:
-    path = path or find_library("libfabric.so.1", LIBFABRIC_DIRS)
-    fix = ("install the AWS EFA installer (aws-efa-installer, provides /opt/amazon/efa/lib/"
-           "libfabric.so.1 >= 1.21 with Neuron HMEM) or build libfabric >= 1.21")
-    if not path:
-        return Finding("libfabric", MISSING, "libfabric.so.1 not found (NIXL LIBFABRIC backend "
-                       "cannot load)", fix, blocking=True)
-    try:
-        major, minor = libfabric_version(path)
-    except (OSError, AttributeError) as e:
-        return Finding("libfabric", MISSING, f"{path} unusable: {e}", fix, blocking=True)
-    if (major, minor) < MIN_LIBFABRIC:
-        return Finding("libfabric", MISSING, f"{path} is {major}.{minor}, need >= "
-                       f"{MIN_LIBFABRIC[0]}.{MIN_LIBFABRIC[1]}", fix, blocking=True)
-    return passed("libfabric", f"{path} version {major}.{minor}")
+    return _check_lib(_Lib(
+        "libfabric", "libfabric.so.1 not found (NIXL LIBFABRIC backend cannot load)",
+        "install the AWS EFA installer (aws-efa-installer, provides /opt/amazon/efa/lib/"
+        "libfabric.so.1 >= 1.21 with Neuron HMEM) or build libfabric >= 1.21",
+        libfabric_version, MIN_LIBFABRIC, old_blocks=True),
+        path or find_library("libfabric.so.1", LIBFABRIC_DIRS))
 
 
 def check_hwloc(path: str | None = None) -> Finding:
-    path = path or find_library("libhwloc.so.15")
-    fix = ("apt install libhwloc15 (>= 2.10; Debian 12 ships 2.9: build hwloc 2.10+ "
-           "or use AL2023/Ubuntu 24.04)")
-    if not path:
-        return Finding("hwloc", MISSING, "libhwloc.so.15 not found (NIXL LIBFABRIC uses it to "
-                       "find Neuron devices and EFA topology)", fix, blocking=True)
-    try:
-        lib = ctypes.CDLL(path)
-        lib.hwloc_get_api_version.restype = ctypes.c_uint
-        v = lib.hwloc_get_api_version()
-    except (OSError, AttributeError) as e:
-        return Finding("hwloc", MISSING, f"{path} unusable: {e}", fix, blocking=True)
-    ver = (v >> 16, (v >> 8) & 0xFF)
-    if ver < MIN_HWLOC:
-        return Finding("hwloc", WARN, f"{path} API {ver[0]}.{ver[1]} < 2.10", fix)
-    return passed("hwloc", f"{path} API {ver[0]}.{ver[1]}")
+    return _check_lib(_Lib(
+        "hwloc", "libhwloc.so.15 not found (NIXL LIBFABRIC uses it to find Neuron devices "
+        "and EFA topology)",
+        "apt install libhwloc15 (>= 2.10; Debian 12 ships 2.9: build hwloc 2.10+ or use "
+        "AL2023/Ubuntu 24.04)", hwloc_api_version, MIN_HWLOC, old_blocks=False),
+        path or find_library("libhwloc.so.15"))
 
 
 def check_efa_devices(sysfs: str = "/sys/class/infiniband") -> Finding:

@@ -209,7 +209,11 @@ class MemoryBackend(ABC):
 
 
 class TorchMemoryBackend(MemoryBackend):
-    """KV caches that are torch tensors whose data_ptr() is the real address (CPU, CUDA)."""
+    """KV caches that are torch tensors whose data_ptr() is the real address (CPU, CUDA):
+    moved by NIXL's UCX backend, each forward's completion observable (`fence`)."""
+
+    default_nixl_backends = ("UCX",)
+    supports_fence = True
 
     def describe(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int,
                  heads_dim: int | None = None) -> KVLayout:
@@ -256,8 +260,6 @@ class TorchMemoryBackend(MemoryBackend):
 class CpuBackend(TorchMemoryBackend):
     name = "cpu"
     mem_type = DRAM
-    default_nixl_backends = ("UCX",)
-    supports_fence = True
 
     def fence(self) -> None:
         return None  # the CPU forward has returned: its KV is written
@@ -266,8 +268,6 @@ class CpuBackend(TorchMemoryBackend):
 class CudaBackend(TorchMemoryBackend):
     name = "cuda"
     mem_type = VRAM
-    default_nixl_backends = ("UCX",)
-    supports_fence = True
 
     def fence(self) -> Any:
         import torch

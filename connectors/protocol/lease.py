@@ -52,22 +52,25 @@ class LeaseError(Exception):
 
 
 @dataclass(frozen=True)
-class FreeBlocks:
-    """D may free this lease's blocks now (once per lease)."""
+class _Held:
+    """Which lease, for which of D's requests, holds which blocks."""
 
     lease_id: str
     req_id: str
     block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FreeBlocks(_Held):
+    """D may free this lease's blocks now (once per lease)."""
+
     reason: Freed
 
 
 @dataclass(frozen=True)
-class Lease:
+class Lease(_Held):
     """A read-only view of one lease."""
 
-    lease_id: str
-    req_id: str
-    block_ids: tuple[int, ...]
     num_tokens: int
     prefix_hashes: tuple[str, ...]
     granted_at: float
