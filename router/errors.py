@@ -13,7 +13,12 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
-_URL = re.compile(r"(?:https?|tcp)://[^\s,;)'\"]+")
+_URL = re.compile(
+    r"(?:https?|tcp)://[^\s,;)'\"]+"  # URLs
+    r"|\[[0-9a-fA-F:]+\](?::\d+)?"  # [v6]:port
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # v4[:port], as HTTP clients word failures
+    r"|\b[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+:\d{1,5}\b")  # host.name:port
+"""Engine addresses in an error message, as a client must not see them."""
 
 
 def error_body(message: str, status: int, err_type: str, code: str | None = None) -> dict[str, Any]:
