@@ -13,6 +13,7 @@ each wait for bytes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -47,6 +48,43 @@ def _buffered(content: aiohttp.StreamReader) -> bytes:
     buf.clear()
     content._buffer_offset = 0  # type: ignore[attr-defined]
     return data
+
+
+async def _connected(_session: Any, ctx: Any, _params: Any) -> None:
+    ctx.trace_request_ctx.set()
+
+
+async def _connect_deadline(task: asyncio.Future[Any], connected: asyncio.Event,
+                            limit_s: float) -> None:
+    """Until `task` has its connection (or ended); ConnectionTimeoutError once `limit_s`
+    of time the router could act in has passed: waits are sliced, and a slice the loop
+    woke from late (it was busy, or the process got no CPU) does not count; at the end
+    the loop is let poll I/O twice, and a connection found made there counts as in time."""
+    loop = asyncio.get_running_loop()
+    waiter = asyncio.ensure_future(connected.wait())
+    budget = limit_s
+    try:
+        while not (connected.is_set() or task.done()):
+            if budget <= 0:
+                for _ in range(2):
+                    await asyncio.sleep(0)
+                if connected.is_set() or task.done():
+                    return
+                raise aiohttp.ConnectionTimeoutError(f"no connection within {limit_s:g} s")
+            step = min(budget, CONNECT_SLICE_S)
+            t0 = loop.time()
+            await asyncio.wait((task, waiter), timeout=step,
+                               return_when=asyncio.FIRST_COMPLETED)
+            elapsed = loop.time() - t0
+            if elapsed <= step + LATE_S:  # on time: the router could have acted
+                budget -= elapsed
+    finally:
+        waiter.cancel()
+
+
+CONNECT_SLICE_S = 0.05
+LATE_S = 0.02
+"""A wait that ends more than this after its slice: the loop was late, not the engine."""
 
 
 class StreamResponse:
@@ -94,20 +132,38 @@ class StreamClient:
         connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0,
                                          keepalive_timeout=keepalive_s,
                                          enable_cleanup_closed=False)
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(_connected)
+        trace.on_connection_reuseconn.append(_connected)
         # trust_env=False: proxy variables must never divert engine traffic.
         self.session = aiohttp.ClientSession(connector=connector, trust_env=False,
-                                             skip_auto_headers=("User-Agent",))
+                                             skip_auto_headers=("User-Agent",),
+                                             trace_configs=[trace])
 
     async def post(self, url: str, content: bytes, headers: Mapping[str, str],
                    timeout: httpx.Timeout) -> StreamResponse:
-        """Send the request; returns once D's status line and headers are in."""
-        t = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=timeout.connect,
+        """Send the request; returns once the status line and headers are in.
+
+        The connect timeout is this client's own, not aiohttp's: a loop that was busy
+        (or a process that got no CPU) past the deadline runs its expired timers before
+        it polls the socket that connected long ago, so aiohttp's timer would fail a leg
+        whose engine answered at once. Here a timeout is declared only after the loop
+        has polled I/O past the deadline (`_connect_deadline`)."""
+        t = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None,
                                   sock_read=timeout.read)
+        connected = asyncio.Event()
+        task = asyncio.ensure_future(self.session.post(
+            url, data=content, headers=dict(headers), timeout=t, allow_redirects=False,
+            trace_request_ctx=connected))
         try:
-            resp = await self.session.post(url, data=content, headers=dict(headers),
-                                           timeout=t, allow_redirects=False)
+            if timeout.connect is not None:
+                await _connect_deadline(task, connected, timeout.connect)
+            resp = await task
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _as_httpx(exc) from exc
+        finally:
+            if not task.done():
+                task.cancel()
         return StreamResponse(resp)
 
     async def fetch(self, url: str, content: bytes, headers: Mapping[str, str],

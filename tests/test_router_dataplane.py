@@ -148,3 +148,90 @@ def test_rewriter_error_event_after_plain_tokens_breaks_the_leg() -> None:
     out += rw.feed(b'data: {"error":{"message":"boom"}}\n\n') + rw.feed(_event(2))
     assert out.count(b"data: ") == 2  # the error and everything after it are dropped
     assert rw.broken() == "sent an error event: boom"
+
+
+def test_connect_timeout_counts_only_time_the_router_could_act() -> None:
+    """A router whose loop is late (every iteration blocked 0.3 s, as on a starved core)
+    still gets its decode leg from an engine that accepted at once: the 0.2 s connect
+    timeout is declared only after the loop polled the socket (uvloop: the server's
+    loop, which runs expired timers before it polls I/O)."""
+    import time
+
+    import uvloop
+
+    from kvferry.router.stream_client import StreamClient
+
+    d = FakeEngine("D", chunks=2)
+
+    async def run(url: str) -> int:
+        loop = asyncio.get_running_loop()
+        client = StreamClient(8, 4.0)
+        blocked = [0]
+
+        def block() -> None:
+            time.sleep(0.3)
+            blocked[0] += 1
+            if blocked[0] < 12:
+                loop.call_soon(block)
+
+        try:
+            task = asyncio.ensure_future(client.post(
+                url + "/v1/completions", json.dumps({"prompt": "hi", "stream": True}).encode(),
+                {"content-type": "application/json"}, httpx.Timeout(5.0, connect=0.2)))
+            loop.call_soon(block)
+            resp = await task
+            status = resp.status_code
+            body = b"".join([c async for c in resp.aiter_bytes()])
+            await resp.aclose()
+            assert body.rstrip().endswith(b"data: [DONE]")
+            assert blocked[0] >= 2  # the loop was late past the connect deadline
+            return status
+        finally:
+            await client.close()
+
+    with serve(d.app()) as url:
+        assert uvloop.run(run(url)) == 200
+
+
+def test_connect_timeout_still_fires_for_an_engine_that_never_accepts() -> None:
+    """A listener whose accept queue is full drops new SYNs: with the loop free, the 0.3 s
+    connect timeout fires (as a connect timeout: the leg was never sent)."""
+    import socket
+    import time
+
+    import uvloop
+
+    from kvferry.router.stream_client import StreamClient
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    fillers = []
+    for _ in range(4):  # fill the accept queue; later SYNs are dropped
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        fillers.append(c)
+    time.sleep(0.1)
+
+    async def run() -> tuple[type, float]:
+        client = StreamClient(8, 4.0)
+        t0 = time.monotonic()
+        try:
+            await client.post(f"http://127.0.0.1:{port}/v1/completions", b"{}", {},
+                              httpx.Timeout(5.0, connect=0.3))
+        except httpx.HTTPError as exc:
+            return type(exc), time.monotonic() - t0
+        finally:
+            await client.close()
+        return type(None), time.monotonic() - t0
+
+    try:
+        kind, took = uvloop.run(run())
+    finally:
+        for c in fillers:
+            c.close()
+        srv.close()
+    assert kind is httpx.ConnectTimeout
+    assert 0.25 < took < 3.0
