@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -9,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvferry.connectors.memory.backends import MemoryBackend
 from kvferry.connectors.memory.registry import HARDWARE_BACKENDS, get_backend
 from kvferry.connectors.protocol import lease, push_match, push_receive, reuse
+
+log = logging.getLogger("vllm." + __name__)
 
 SIDE_CHANNEL_PORT = 5600  # rank r's handshake listens on side_channel_port + r
 
@@ -23,11 +26,18 @@ IDLE_POLL_S = 0.01  # transfer thread, nothing awaited: the inbox wakes it for n
 BUSY_POLL_S = 0.0005  # a READ or WRITE in flight
 
 
+# Settings kvferry no longer reads, still accepted (and ignored, as they were) so that an
+# existing kv_connector_extra_config keeps starting; any other unknown key is an error.
+REMOVED = {"transfer_mode": "each request says pull or push (kv_transfer_params)"}
+
+
 class ConnectorConfig(BaseModel):
+    """kvferry's settings for one engine: vLLM's ``kv_connector_extra_config``, validated
+    once at start (an unknown key or a bad value fails the engine's start, not a request)."""
+
     model_config = ConfigDict(extra="forbid")
 
     hardware_backend: Literal["cpu", "cuda", "neuron"] = "cpu"
-    transfer_mode: Literal["pull", "push"] = "pull"  # default when a request does not say
     # neuron: how KV is registered: HBM as VRAM, mapped HBM as DRAM, host mirrors, or
     # auto (that order, falling back at engine start; kvferry/neuron/backend.py)
     neuron_staging: Literal["auto", "device", "mapped", "host"] = "auto"
@@ -107,6 +117,15 @@ class ConnectorConfig(BaseModel):
         if self.notif_poll_ms is not None:
             return self.notif_poll_ms / 1e3
         return IDLE_POLL_S if self.hardware_backend == "cpu" else BUSY_POLL_S
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ignore_removed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (old := sorted(REMOVED.keys() & data.keys())):
+            log.warning("kvferry: ignoring removed settings: %s",
+                        "; ".join(f"{k} ({REMOVED[k]})" for k in old))
+            data = {k: v for k, v in data.items() if k not in REMOVED}
+        return data
 
     @model_validator(mode="after")
     def _lease_timing(self) -> ConnectorConfig:
