@@ -172,6 +172,9 @@ def constructing_scheduler(max_depth: int = 12) -> Any | None:
 
 @dataclass(frozen=True)
 class KvPressure:
+    """How full the Scheduler's KV cache is: what lease relief (`LeaseKeeper.relieve`)
+    weighs against the leases it holds."""
+
     free: int  # blocks an allocation may take now (free or cached-but-unused)
     total: int
     head_need: int  # blocks the first waiting request needs for its next step (0: none)

@@ -47,11 +47,18 @@ def kv_summary(kv: Any) -> str:
 
 
 class KvferryMeta(KVConnectorMetadata):
+    """vLLM's per-step connector metadata: the scheduler's `StepMeta` for every worker rank."""
+
     def __init__(self, step: StepMeta):
         self.step = step
 
 
 class KvferryConnector(KVConnectorBase_V1):
+    """The connector vLLM loads, once per role: on the scheduler side a
+    `TransferScheduler`, on each worker rank a `TransferWorker` with its own transfer
+    thread. Every hook only hands work over or collects results, so no handshake, NIXL
+    call or wait for a peer ever runs on the engine loop."""
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         compat.check_no_sleep_mode(vllm_config)  # before any port or NIXL agent exists

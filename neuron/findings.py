@@ -15,6 +15,9 @@ OK, MISSING, WARN = "ok", "missing", "warn"
 
 @dataclass(frozen=True)
 class Finding:
+    """One environment check's answer: what is missing and how to fix it; ``blocking``:
+    kvferry cannot run on Neuron without it."""
+
     check: str
     status: str  # ok | missing | warn
     detail: str

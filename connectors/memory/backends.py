@@ -258,6 +258,8 @@ class TorchMemoryBackend(MemoryBackend):
 
 
 class CpuBackend(TorchMemoryBackend):
+    """KV in host DRAM (vLLM's CPU engines)."""
+
     name = "cpu"
     mem_type = DRAM
 
@@ -266,6 +268,8 @@ class CpuBackend(TorchMemoryBackend):
 
 
 class CudaBackend(TorchMemoryBackend):
+    """KV in CUDA device memory, fenced by a CUDA event behind each forward."""
+
     name = "cuda"
     mem_type = VRAM
 

@@ -20,11 +20,18 @@ PREFIX = b"kvf%d" % PROTOCOL_VERSION  # another version's notifications are not 
 
 
 class Done(msgspec.Struct, tag="done"):
+    """D -> P (pull): D's READ of ``req_id`` ended; P frees the blocks once all the
+    D ranks that read them said so."""
+
     req_id: str
     expect: int = 1  # notices this P rank gets for req_id in all (D ranks reading it)
 
 
 class Register(msgspec.Struct, tag="reg"):
+    """D -> P (push): where P WRITEs ``transfer_id``'s KV (D's blocks for the tokens
+    from ``first_token``). Signed (``sig``): P writes only into memory a kvferry D that
+    holds the shared secret registered."""
+
     transfer_id: str
     engine_id: str
     host: str
@@ -41,17 +48,25 @@ class Register(msgspec.Struct, tag="reg"):
 
 
 class Wrote(msgspec.Struct, tag="wrote"):
+    """P -> D (push): P rank ``rank``'s WRITE of ``transfer_id`` is complete (sent after
+    its data)."""
+
     transfer_id: str
     rank: int
 
 
 class Rejected(msgspec.Struct, tag="reject"):
+    """P -> D (push): the registration will not be served and no (further) WRITE lands:
+    D recomputes at once instead of waiting for its timeout."""
+
     transfer_id: str
     reason: str
     rank: int = -1  # the P rank that will write nothing (more); -1: every rank
 
 
 class Abort(msgspec.Struct, tag="abort"):
+    """D -> P (push): D gave up on ``transfer_id``: P writes nothing and frees the prefill."""
+
     transfer_id: str
 
 

@@ -28,6 +28,8 @@ class End(StrEnum):
 
 @dataclass(frozen=True)
 class Ended:
+    """How and when an id ended: a late event for it is answered, not taken for a new one."""
+
     reason: End
     at: float
     owners: frozenset[str] = frozenset()  # P: whose prefill_done was seen (and freed)

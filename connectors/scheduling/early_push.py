@@ -32,6 +32,9 @@ class _PushPrefill:
 
 
 class EarlyPush:
+    """P's scheduler: the push prefills whose WRITE may start once their last prompt
+    forward is complete (`StepMeta.push_ready`), and those preempted since (`push_preempted`)."""
+
     def __init__(self, block_size: int, enabled: bool) -> None:
         self.block_size = block_size
         self.enabled = enabled

@@ -45,6 +45,9 @@ TICK_S = 0.05  # sweep leases at most this often (the idle engine steps every ~1
 
 
 class LeaseKeeper:
+    """D's scheduler: grants, renews and ends the leases over finished turns' blocks and
+    frees their blocks no sooner than a READ that P may have started can have ended."""
+
     def __init__(self, engine_id: str, instance: str, host: str, port: int, block_size: int,
                  tp_size: int = 1, *, ttl: float = DEFAULT_TTL, max_lifetime: float = DEFAULT_MAX_LIFETIME,
                  max_blocks: int | None = None, free_grace: float = DEFAULT_FREE_GRACE,

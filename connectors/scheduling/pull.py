@@ -44,6 +44,9 @@ class _Pending:
 
 
 class PullPlanner:
+    """Pull on both sides' schedulers: P's signed offers over finished prefills, D's
+    validation of them and the READ (`RecvTask`) each accepted offer ends in."""
+
     def __init__(self, engine_id: str, host: str, port: int, block_size: int, tp_size: int,
                  num_kv_heads: int, clock: Callable[[], float], offer_ttl: float) -> None:
         """``offer_ttl`` (P): offers expire this long after the prefill (0: never)."""

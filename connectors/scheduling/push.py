@@ -45,6 +45,9 @@ class PushFinish:
 
 
 class PushPlanner:
+    """Push on both sides' schedulers: D's registrations (`RegisterTask`) and their end,
+    P's finished prefills handed to the workers (`PushSend`)."""
+
     def __init__(self, block_size: int, clock: Callable[[], float]) -> None:
         self.block_size = block_size
         self.clock = clock

@@ -37,12 +37,18 @@ log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 @dataclass
 class ReuseSettings:
+    """When P reads D's leased history rather than recomputing it (config.py: the
+    kv_recompute_threshold, lease_margin_s and reuse_read_timeout_s settings)."""
+
     threshold: int = DEFAULT_RECOMPUTE_THRESHOLD
     margin_s: float = DEFAULT_LEASE_MARGIN
     read_timeout_s: float = DEFAULT_READ_TIMEOUT
 
 
 class ReusePlanner:
+    """P's scheduler: verifies D's lease offer, decides how much history to READ and
+    queues the `ReuseRead` once blocks exist; reports what happened in P's params."""
+
     def __init__(self, block_size: int, tp_size: int, num_kv_heads: int,
                  settings: ReuseSettings, clock: Callable[[], float]) -> None:
         self.block_size, self.tp_size, self.num_kv_heads = block_size, tp_size, num_kv_heads

@@ -28,6 +28,9 @@ class _Saving:
 
 
 class SaveTracker:
+    """P with host staging: the blocks each step's forward writes, to be copied to the host
+    mirror before the offer over them is published."""
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._reqs: dict[str, _Saving] = {}

@@ -26,6 +26,9 @@ class Staging(Protocol):
 
 
 class Mirror:
+    """The transfer thread's view of host staging: copy in after a transfer lands, out
+    before a peer may read; a no-op without staging."""
+
     def __init__(self, staging: Staging | None = None, stats: Stats | None = None) -> None:
         self.staging = staging  # None: KV moves straight from/to the registered layout
         self.stats = stats

@@ -27,6 +27,9 @@ def peer_key(rank: int, engine_id: str | None = None, host: str = "", port: int 
 
 
 class Peers:
+    """One rank's handshaken peer ranks, found by engine id or by address, each loaded
+    into NIXL once."""
+
     def __init__(self, transport: Transport, rank: int, handshake_timeout_s: float) -> None:
         self.transport = transport
         self.rank = rank  # ours: the default peer rank

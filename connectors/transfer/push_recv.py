@@ -48,6 +48,8 @@ class _DReq:
 
 
 class PushRecv(RankPart):
+    """D's push registrations for one rank: the I/O around a `PushReceiver`."""
+
     def __init__(self, cfg: ConnectorConfig, engine_id: str, io: RankIO) -> None:
         super().__init__(io)
         self.cfg = cfg

@@ -46,6 +46,9 @@ class _Checking:
 
 
 class Reads(RankPart):
+    """The READs one rank posts (D's pull, P's reuse), each ending exactly once as
+    finished-receiving, with its blocks reported bad on failure."""
+
     def __init__(self, io: RankIO, recv_timeout_s: float) -> None:
         super().__init__(io)
         self.recv_timeout_s = recv_timeout_s

@@ -18,6 +18,9 @@ log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 
 class Sends:
+    """P's pulled prefills: blocks held until every D rank that reads them said Done, or
+    the send timeout."""
+
     def __init__(self, out: ResultBox, send_timeout_s: float, stats: Stats) -> None:
         self.out = out
         self.stats = stats

@@ -45,6 +45,8 @@ MAX_EVENTS = 1024  # per rank: enough for every request of a test module, bounde
 
 
 class Event(msgspec.Struct, array_like=True, frozen=True):
+    """One counted event of a transfer, served (a bounded list) on the side channel with the counters."""
+
     name: str  # the counter it incremented
     key: str  # request id (READs) or transfer id (push)
     detail: str = ""  # why, for failures

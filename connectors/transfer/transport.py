@@ -55,6 +55,8 @@ class TransferError(RuntimeError):
 
 @dataclass
 class Peer:
+    """A remote rank's NIXL agent as loaded into ours, and its KV layout."""
+
     agent_name: str
     layout: KVLayout
 
@@ -69,6 +71,8 @@ class XferState(StrEnum):
 
 @dataclass
 class Transfer:
+    """One READ or WRITE posted to NIXL (several handles when split across lanes)."""
+
     handles: list
     peer: str
     nbytes: int
@@ -148,6 +152,9 @@ def _agent_with_progress_delay(api, name: str, conf, progress_delay_us: int):  #
 
 
 class Transport:
+    """One engine rank's NIXL agent: its KV registered once, peers added from their
+    handshake, block lists READ or written as merged descriptors. Owned by one thread."""
+
     def __init__(self, layout: KVLayout, backends: Sequence[str] = ("UCX",), name: str | None = None,
                  progress_delay_us: int = 1000, add_peer_timeout_s: float | None = None):
         self.layout = layout

@@ -47,6 +47,9 @@ log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 
 class TransferWorker:
+    """One engine rank's transfers: the engine loop submits step metadata and collects
+    results; a background thread does the rest (module docstring)."""
+
     def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int, layout: KVLayout,
                  nixl_backends: list[str] | None = None, instance: str = "",
                  staging: Staging | None = None, tp_size: int = 1, num_heads: int = 0):
