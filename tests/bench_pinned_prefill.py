@@ -74,7 +74,10 @@ async def burst(url: str, model: str, n: int, input_len: int, fields: Any) -> di
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--burst", type=int, default=128)
-    ap.add_argument("--input-len", type=int, default=4000)
+    ap.add_argument("--input-len", type=int, default=4000, help="prompt of the invalid burst")
+    ap.add_argument("--refused-input-len", type=int, default=512, help="prompt of the bursts "
+                    "P prefills (2 shared CPU cores prefill 128 x 4000 tokens past the "
+                    "router's 120 s prefill timeout)")
     ap.add_argument("--results-dir", default="benchmarks/results")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
@@ -88,21 +91,22 @@ def main() -> int:
     with pd_stack(model, tmp / "logs", decode_args=("--max-logprobs", "5")) as s:
         release = offer_release.release_soon
         cases = [
-            ("invalid", lambda i: INVALID[i % len(INVALID)], release),
-            ("d_refuses", lambda i: {"logprobs": 10}, release),
-            ("d_refuses_no_release", lambda i: {"logprobs": 10}, lambda ctx, offer: None),
+            ("invalid", args.input_len, lambda i: INVALID[i % len(INVALID)], release),
+            ("d_refuses", args.refused_input_len, lambda i: {"logprobs": 10}, release),
+            ("d_refuses_no_release", args.refused_input_len, lambda i: {"logprobs": 10},
+             lambda ctx, offer: None),
         ]
-        for name, fields, releaser in cases:
+        for name, input_len, fields, releaser in cases:
             flow.release_soon = releaser  # the pull flow's reference to it
             before, total = p_blocks(s.prefill.url)
             p_requests = s.prefill.metric("vllm:request_success_total")
             t0 = time.perf_counter()
-            codes = asyncio.run(burst(s.router, s.model, args.burst, args.input_len, fields))
+            codes = asyncio.run(burst(s.router, s.model, args.burst, input_len, fields))
             last = time.perf_counter()
             time.sleep(1.0)
             after_1s, _ = p_blocks(s.prefill.url)
             line = {"experiment": "pinned_prefill", "impl": "kvferry", "mode": name,
-                    "hardware": "cpu", "model": "tiny", "input_len": args.input_len,
+                    "hardware": "cpu", "model": "tiny", "input_len": input_len,
                     "n": args.burst, "codes": codes,
                     "p_requests": s.prefill.metric("vllm:request_success_total") - p_requests,
                     "p_blocks_total": total, "p_free_blocks_before": before,
