@@ -5,6 +5,7 @@ events vLLM could send (5), body size limit (6), metrics (7)."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -291,9 +292,15 @@ def test_tenant_is_the_keys_id(tmp_path: Path) -> None:
     gate = auth.Gate(auth.ApiKeys(str(keys)), None)
 
     def tenant(key: str) -> str:
+        """As one request sees it: its own context (the router's requests each run in
+        one), so the caller set here does not outlive it."""
         headers = {"authorization": f"Bearer {key}"}
-        assert gate.admit(headers) is None
-        return tenant_of(auth.caller_key(headers), KEY)
+
+        def request() -> str:
+            assert gate.admit(headers) is None
+            return tenant_of(auth.caller_key(headers), KEY)
+
+        return contextvars.copy_context().run(request)
 
     before = tenant("sk-a-1")
     keys.write_text(json.dumps({"team-a": "sk-a-rotated", "team-b": "sk-b"}))
