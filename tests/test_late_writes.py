@@ -18,7 +18,18 @@ from pathlib import Path
 import helpers_workers
 import pytest
 import torch
-from helpers_workers import D_BLOCKS, P_BLOCKS, PROMPT, Engine, d_register, p_done, settle
+from helpers_workers import (
+    D_BLOCKS,
+    P_BLOCKS,
+    PROMPT,
+    Engine,
+    d_register,
+    d_task,
+    p_done,
+    p_finish,
+    settle,
+    written,
+)
 
 from kvferry.connectors.transfer import faults
 
@@ -124,3 +135,60 @@ def test_unwritten_blocks_after_d_abort_are_released_on_p_word(engines, hooks):
     settle(d)
     assert hits(events, "post") == 0
     assert torch.equal(before[0], d.kv["l0"][:, D_BLOCKS]) and torch.equal(before[1], d.kv["l1"][D_BLOCKS])
+
+
+def test_pull_read_in_flight_at_its_deadline_keeps_both_sides_blocks_until_it_ended(
+        engines, hooks):
+    """D's READ is still in flight (the transport reports it running, ``done_hold``) when
+    its deadline passes. D fences it (drops P's agent) and hands its blocks back, and
+    tells P to free its own, only once the transport reported the READ ended: never while
+    the READ may still write D's blocks or read P's (on cdd3802 both went at the deadline,
+    2 s, with the READ reported running for 5 s)."""
+    hold_s = 5.0
+    p = engines("P", seed=23, send_timeout_s=60.0)
+    d = engines("D", recv_timeout_s=2.0)  # the READ itself takes milliseconds
+    offer = p_finish(p, "p-req", P_BLOCKS)
+    p.worker.submit(p.sched.take_meta())
+    events = hooks([{"point": "done_hold", "action": "delay", "s": hold_s, "p": 1.0}])
+    t0 = time.monotonic()
+    d.worker.submit(d_task(d, "d-req", offer, D_BLOCKS))
+    got = d.collect(lambda r: "d-req" in r.recvd, 15)
+    d_after = time.monotonic() - t0
+    assert got.bad_blocks == set(D_BLOCKS)  # past its deadline: D recomputes
+    assert p.collect(lambda r: "p-req" in r.sent, 15).sent == {"p-req"}  # P hears, and frees
+    p_after = time.monotonic() - t0
+    assert hits(events, "done_hold") == 1
+    assert d_after >= hold_s - 0.1, f"D's blocks went {d_after:.2f} s in, the READ ran {hold_s} s"
+    assert p_after >= hold_s - 0.1, f"P's blocks went {p_after:.2f} s in, the READ ran {hold_s} s"
+    counters = d.worker.stats.snapshot().counters
+    assert counters["transfers_fenced"] == 1 and counters["transfers_unfenced"] == 0
+    assert counters["reads_failed"] == 1 and counters.get("reads_done", 0) == 0
+    assert not d.worker.reads.busy()
+
+
+def test_push_write_in_flight_at_p_timeout_frees_p_blocks_only_once_it_ended(engines, hooks):
+    """P's WRITE is reported running (``done_hold``) past P's WRITE timeout. P fences it
+    (drops D's agent) and frees its source blocks, and tells D, only once the transport
+    reported it ended (on cdd3802: at the timeout, 2 s, while it was reported running)."""
+    hold_s = 5.0
+    p = engines("P", seed=24, recv_timeout_s=2.0)  # the WRITE itself takes milliseconds
+    d = engines("D")
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    deadline = time.monotonic() + 10
+    while p.worker.push_write.matcher.state("t1") != "waiting_prefill":
+        assert time.monotonic() < deadline, "registration never reached P"
+        time.sleep(0.01)
+    events = hooks([{"point": "done_hold", "action": "delay", "s": hold_s, "p": 1.0}])
+    t0 = time.monotonic()
+    p_done(p, "p1", "t1", P_BLOCKS)
+    assert p.collect(lambda r: "p1" in r.sent, 15).sent == {"p1"}
+    p_after = time.monotonic() - t0
+    assert hits(events, "done_hold") == 1
+    assert p_after >= hold_s - 0.1, f"P's blocks went {p_after:.2f} s in, the WRITE ran {hold_s} s"
+    counters = p.worker.stats.snapshot().counters
+    assert counters["transfers_fenced"] == 1 and counters["transfers_unfenced"] == 0
+    assert counters["writes_failed"] == 1 and counters.get("writes_done", 0) == 0
+    assert p.worker.push_write.num_tracked == 0
+    # The data did land (NIXL sent the Wrote after it): D decodes what P wrote.
+    got = d.collect(lambda r: "d1" in r.recvd, 10)
+    assert got.recvd == {"d1"} and got.bad_blocks == set() and written(d, p, D_BLOCKS, P_BLOCKS)

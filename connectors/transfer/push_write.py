@@ -5,6 +5,11 @@ which blocks are freed and which registration is rejected; this part feeds it ev
 metadata, forward and layer fences, D's messages, transfer outcomes) and executes its
 actions, off the engine loop. Every outcome reaches vLLM as a finished send (P frees its
 blocks), and D hears a `Rejected` whenever its registration will not be served.
+
+A WRITE that ends unsuccessfully while some of its transfers may still be in flight (its
+timeout, P's preemption) is fenced first (`Transport.drop_agent` on D's agents) and
+failed, freeing P's blocks and telling D, only once the transport reports every transfer
+ended: D reuses its blocks on that word (protocol/push_receive.py).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from kvferry.connectors.protocol.step import StepMeta
 from kvferry.connectors.transfer import layer_push
 from kvferry.connectors.transfer.layer_push import Fences, Forwards, LayerFence, Posting, Ready
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
-from kvferry.connectors.transfer.transport import Transfer, XferState
+from kvferry.connectors.transfer.transport import FENCE_S, Transfer, XferState
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -33,6 +38,7 @@ class _Write:
     xfers: list[Transfer]  # one per D rank written and batch of layers posted
     started: float  # monotonic: failed once recv_timeout_s passed
     ended_at: float  # wall clock of the prefill's end (0: unknown)
+    fenced: tuple[float, str, str] | None = None  # (since, why, detail): failing once ended
 
 
 class PushWrite(RankPart):
@@ -109,21 +115,24 @@ class PushWrite(RankPart):
             self._run(self.sender.poll(steps, passed, now))
             self._forwards.keep_only(self.sender.forward_steps())
         for tid, wr in list(self._writes.items()):
+            if wr.fenced is not None:
+                self._end_fenced(tid, wr, now)
+                continue
             late = now >= wr.started + self.sender.write_timeout
             try:
                 wr.xfers += wr.posting.post(self.transport, self._fences)
             except Exception as e:
-                self._fail(tid, f"not posted: {e}")
+                self._abandon(tid, f"not posted: {e}")
                 continue
             if not wr.posting.committable():  # layers to post, or the gate closed
                 if late:
-                    self._fail(tid, "timed out")
+                    self._abandon(tid, "timed out")
                 continue
             state = self.transport.poll_all(wr.xfers)
             if state == XferState.DONE:
                 self._done(tid, wr, now)
             elif state != XferState.PROC or late:
-                self._fail(tid, "timed out" if state == XferState.PROC else "error")
+                self._abandon(tid, "timed out" if state == XferState.PROC else "error")
         if len(self._fences):
             self._fences.keep_only(self.sender.gate_steps() | {
                 s for w in self._writes.values() if (s := w.posting.fence_step) is not None})
@@ -145,7 +154,7 @@ class PushWrite(RankPart):
                 if a.reg is not None:
                     self._notify_d(a.reg, messages.Rejected(a.transfer_id, a.reason, self.ranks.rank))
             elif isinstance(a, push_sender.FailWrite):
-                self._fail(a.transfer_id, a.reason, a.detail)
+                self._abandon(a.transfer_id, a.reason, a.detail)
             elif isinstance(a, push_sender.Mark):
                 timeline.mark(log, a.transfer_id, a.what)
 
@@ -174,6 +183,29 @@ class PushWrite(RankPart):
         started = time.monotonic()
         timeline.mark(log, s.transfer_id, "write_start")
         self._writes[s.transfer_id] = _Write(posting, xfers, started, a.ended_at)
+
+    def _abandon(self, tid: str, why: str, detail: str = "") -> None:
+        """Fail the WRITE once none of its transfers can still land: at once when none
+        is in flight, else after fencing them (D's agents dropped) and hearing they ended."""
+        wr = self._writes.get(tid)
+        if wr is not None and wr.fenced is not None:
+            return  # failing already, once its transfers ended
+        if wr is None or all(self.transport.poll(x) != XferState.PROC for x in wr.xfers):
+            self._fail(tid, why, detail)
+            return
+        wr.fenced = (time.monotonic(), why, detail)
+        self.stats.event("transfers_fenced", tid)
+        for agent in {x.peer for x in wr.xfers if x.state == XferState.PROC}:
+            self.transport.drop_agent(agent)
+
+    def _end_fenced(self, tid: str, wr: _Write, now: float) -> None:
+        since, why, detail = wr.fenced
+        state = self.transport.poll_all(wr.xfers)
+        if state == XferState.PROC and now < since + FENCE_S:
+            return
+        if state == XferState.PROC:
+            self.stats.event("transfers_unfenced", tid)
+        self._fail(tid, why, detail)
 
     def _fail(self, tid: str, why: str, detail: str = "") -> None:
         """End a WRITE that did not complete (or start): NIXL aborts what is in flight on

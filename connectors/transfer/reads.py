@@ -3,6 +3,15 @@
 Each READ ends as finished-receiving; a failed or timed-out READ also reports its local
 block ids as load errors, so vLLM recomputes (or fails, per policy). A pull READ ends by
 telling every P rank of `Ranks.release_plan` that its blocks may go.
+
+A READ is reported (its local blocks go back to vLLM, P's blocks are released) only once
+the transport said it ended, DONE or ERR: vLLM keeps an aborted request's blocks until
+then. A READ still in flight at its deadline is *fenced* first: its source engine's agent
+is removed, which ends every transfer NIXL has in flight to it (UCX closes the endpoint,
+its outstanding operations complete with an error), and the READ is reported failed once
+a poll says it ended; releasing the handle alone is no fence (NIXL may not be able to
+recall an RMA the NIC already has). Only a transport that reports nothing for
+`FENCE_S` more is given up on (``transfers_unfenced``, never seen in a healthy run).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from kvferry.connectors.protocol.step import RecvTask, ReuseRead
 from kvferry.connectors.protocol.tp_map import Segment
 from kvferry.connectors.transfer.lease_control import LeaseCheck
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
-from kvferry.connectors.transfer.transport import Peer, Transfer, XferState
+from kvferry.connectors.transfer.transport import FENCE_S, Peer, Transfer, XferState
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -32,6 +41,8 @@ class _Read:
     strict: bool = False  # a READ that ends after its deadline counts as failed
     notices: list[tuple[Peer, bytes]] = field(default_factory=list)  # sent once all are done
     release: list[tuple[Peer, bytes]] = field(default_factory=list)  # pull: P's Done, also on failure
+    release_ranks: list[int] = field(default_factory=list)  # the P rank of each `release`
+    fenced_at: float | None = None  # past its deadline in flight: the source's agent removed
 
 
 @dataclass
@@ -102,7 +113,8 @@ class Reads(RankPart):
             return
         self._reads[task.req_id] = _Read(task, xfers, now + budget, now, o.remote_engine_id,
                                          o.remote_tp_size, strict=bool(o.expiry),
-                                         notices=[] if attach else msgs, release=msgs)
+                                         notices=[] if attach else msgs, release=msgs,
+                                         release_ranks=list(notices))
 
     def _read_budget(self, task: RecvTask) -> float:
         budget = self.recv_timeout_s
@@ -185,8 +197,19 @@ class Reads(RankPart):
             state = self.transport.poll_all(rd.xfers)
             if state == XferState.PROC and now < rd.deadline:
                 continue
+            if state == XferState.PROC and rd.fenced_at is None:
+                rd.fenced_at = now  # reported once the transport says the READ ended
+                self.stats.event("transfers_fenced", req_id)
+                for x in rd.xfers:
+                    self.transport.drop_agent(x.peer)
+                continue
+            if state == XferState.PROC and now < rd.fenced_at + FENCE_S:
+                continue
+            if state == XferState.PROC:
+                self.stats.event("transfers_unfenced", req_id)
             del self._reads[req_id]
-            if state == XferState.DONE and not (rd.strict and now > rd.deadline):
+            if state == XferState.DONE and rd.fenced_at is None and not (
+                    rd.strict and now > rd.deadline):
                 log.info("kvferry %s %s: %d blocks, %d B in %d descriptors, %.1f ms",
                          "reuse READ" if isinstance(rd.task, ReuseRead) else "READ", req_id,
                          len(rd.task.local_block_ids), sum(x.nbytes for x in rd.xfers),
@@ -207,7 +230,23 @@ class Reads(RankPart):
                 self.stats.event("recomputes", req_id, "READ did not complete")
                 for x in rd.xfers:
                     self.transport.release(x)
-                for peer, msg in rd.release:  # READ aborted: P need not hold its blocks
-                    self.peers.send(peer, msg)
-                self.peers.drop_engine(rd.engine_id, rd.engine_tp)
+                if rd.fenced_at is None:
+                    for peer, msg in rd.release:  # READ ended: P need not hold its blocks
+                        self.peers.send(peer, msg)
+                    self.peers.drop_engine(rd.engine_id, rd.engine_tp)
+                else:  # the agent we read through is gone: tell P through a new one
+                    self._tell_p_again(rd)
                 self.out.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)
+
+    def _tell_p_again(self, rd: _Read) -> None:
+        """A fenced pull READ's Done to every P rank of its release plan, meeting P afresh."""
+        if not isinstance(rd.task, RecvTask):
+            return
+        o = rd.task.offer
+        for r, (_, msg) in zip(rd.release_ranks, rd.release, strict=True):
+            try:
+                self.peers.send(self.peers.at(o.remote_host, o.remote_port, o.remote_engine_id,
+                                              r)[1], msg)
+            except Exception as e:  # P gone: its send timeout frees the blocks
+                log.warning("could not tell %s to free %s: %s", o.remote_engine_id,
+                            o.remote_request_id, e)

@@ -35,6 +35,8 @@ COUNTERS = (
     "push_received",  # D: pushed KV complete (every P rank's Wrote)
     "push_failed",  # D: a push that ended without the KV
     "recomputes",  # either side: a request falls back to computing the KV itself
+    "transfers_fenced",  # READs/WRITEs still running past their deadline: peer agent dropped
+    "transfers_unfenced",  # ... that reported no end FENCE_S after that (given up on anyway)
     "sends_expired",  # P: no decode read an offer's KV within send_timeout_s
     "sends_released",  # P: the router said no decode will read an offer's KV (D refused it)
     "notifications",  # NIXL notifications received

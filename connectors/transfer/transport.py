@@ -83,6 +83,10 @@ class Transfer:
 
 _AGENT_LOCK = threading.Lock()
 
+FENCE_S = 10.0
+"""How long a transfer fenced past its deadline (`Transport.drop_agent`) may still be
+reported running before its caller gives up on hearing its end (``transfers_unfenced``)."""
+
 
 def combined(states: Sequence[XferState]) -> XferState:
     """One state for several requests: ERR if any failed, PROC while any runs, else DONE."""
@@ -248,6 +252,16 @@ class Transport:
             for k in [k for k, p in self._peers.items() if p is peer]:
                 del self._peers[k]
             self._forget(peer)
+
+    def drop_agent(self, agent_name: str) -> None:
+        """`drop_peer` by remote agent name: the fence for a transfer past its deadline.
+        Removing the agent ends what NIXL has in flight to it (UCX closes the endpoint and
+        its outstanding operations complete with an error; a handle's release alone may not
+        recall an RMA already posted), so a poll then reports it ended (`FENCE_S`)."""
+        for key, p in list(self._peers.items()):
+            if p.agent_name == agent_name:
+                self.drop_peer(key)
+                return
 
     def _forget(self, peer: Peer) -> None:
         try:
