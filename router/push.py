@@ -32,6 +32,7 @@ from .decode import DecodeHooks, choose_decode, send_decode_or_next
 from .errors import RouterError, never_sent
 from .kv_events import choose_prefill
 from .migrate import Migration
+from .offer_release import abort_push_soon
 from .prefill import build_legs, post_prefill, retry_target
 from .sse import InsertBeforeDone, UpstreamStream
 from .turns import commit_hooks, reuse_report
@@ -232,7 +233,9 @@ async def run_push(
     except BaseException:
         d_leg.cancel()
         leg.cancel()
+        abort_push_soon(ctx, p.url, transfer_id)  # no D will register: P frees its blocks
         raise
     if not isinstance(resp, UpstreamStream) and resp.status_code != 200:
         leg.cancel()
+        abort_push_soon(ctx, p.url, transfer_id)  # D refused the request
     return resp

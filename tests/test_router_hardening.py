@@ -162,6 +162,7 @@ class PSideChannel:
         self.server = HandshakeServer("127.0.0.1", self.port, {"engine_id": "p0"})
         es.callback(self.server.close)
         self.refused: list[str] = []
+        self.requests: list[send_release.ReleaseSend] = []
 
         def on_release(blob: bytes) -> bytes:
             try:
@@ -169,7 +170,9 @@ class PSideChannel:
             except Refused as e:
                 self.refused.append(e.reason)
                 return send_release.reply(False, e.reason)
-            self.sends.release(req.req_id, time.monotonic())
+            self.requests.append(req)
+            if not req.transfer_id:  # push: the worker hands it to push_write as an Abort
+                self.sends.release(req.req_id, time.monotonic())
             return send_release.reply(True)
 
         self.server.on_release = on_release
@@ -207,6 +210,25 @@ def test_decode_down_frees_prefills_offer_and_a_forged_release_frees_nothing(
     side.sends.hold(["cmpl-p-3"], time.monotonic())
     reply = msgspec.msgpack.decode(_ask(side.port, send_release.request("cmpl-p-3", b"wrong")))
     assert reply == {"ok": False, "error": "bad_signature"} and side.freed(0.3) == set()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_push_decode_refusal_aborts_the_transfer_on_prefill(stack: ExitStack, stream: bool
+                                                            ) -> None:
+    """Push: D refused the leg, so no D will register for the transfer: P is told at once
+    (as D's own Abort), instead of holding what it prefilled push_hold_timeout_s."""
+    side = PSideChannel(stack, KEY)
+    url, p, d, _ = start(stack, prefill_kv_addrs=[f"127.0.0.1:{side.port}"], mode="push")
+    d.status = 400
+    r = post(url, {**BODY, "stream": stream}, OPERATOR)
+    assert r.status_code == 400
+    tid = r.headers["x-kvferry-transfer-id"]
+    deadline = time.monotonic() + 2
+    while not side.requests:
+        assert time.monotonic() < deadline, "P was not told"
+        time.sleep(0.02)
+    assert [q.transfer_id for q in side.requests] == [tid] and side.refused == []
+    assert metric(url, "kvferry_router_offers_released_total", result="ok") == 1
 
 
 def _ask(port: int, blob: bytes) -> bytes:

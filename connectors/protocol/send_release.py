@@ -25,11 +25,14 @@ PREFIX = b"kvf%d-release-send" % PROTOCOL_VERSION
 
 
 class ReleaseSend(msgspec.Struct):
-    """Free the blocks P keeps for its request ``req_id`` (an offer's remote_request_id)."""
+    """Free the blocks P keeps for its request ``req_id`` (pull: an offer's
+    remote_request_id), or, push, those it holds for ``transfer_id``: P acts as on D's own
+    `messages.Abort` (blocks under a WRITE go when it ends)."""
 
     req_id: str
     ts: float  # the router's wall clock: P refuses requests older or newer than MAX_SKEW_S
     sig: str = ""
+    transfer_id: str = ""
 
 
 _decoder = msgspec.msgpack.Decoder(ReleaseSend)
@@ -48,9 +51,9 @@ def releasable(offer: Any) -> tuple[str, int, int, str] | None:
     return host, port, tp if isinstance(tp, int) and tp > 0 else 1, req_id
 
 
-def request(req_id: str, key: bytes | None = None) -> bytes:
+def request(req_id: str, key: bytes | None = None, transfer_id: str = "") -> bytes:
     """The signed, time-stamped request (``key``: the deployment secret by default)."""
-    req = ReleaseSend(req_id, time.time())
+    req = ReleaseSend(req_id, time.time(), transfer_id=transfer_id)
     req.sig = mac(req, key)
     return PREFIX + msgspec.msgpack.encode(req)
 

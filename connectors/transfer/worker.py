@@ -156,7 +156,10 @@ class TransferWorker:
     def _take(self, item: tuple[StepMeta, int] | Ready | LayerFence
               | send_release.ReleaseSend) -> None:
         if isinstance(item, send_release.ReleaseSend):
-            self.sends.release(item.req_id, time.monotonic())
+            if item.transfer_id:  # push: as D's own Abort (blocks under a WRITE: after it)
+                self.push_write.on_message(messages.Abort(item.transfer_id), time.monotonic())
+            else:
+                self.sends.release(item.req_id, time.monotonic())
         elif isinstance(item, Ready):
             self.push_write.ready(item)
         elif isinstance(item, LayerFence):
