@@ -4,12 +4,8 @@
 which blocks are freed and which registration is rejected; this part feeds it events (step
 metadata, forward and layer fences, D's messages, transfer outcomes) and executes its
 actions, off the engine loop. Every outcome reaches vLLM as a finished send (P frees its
-blocks), and D hears a `Rejected` whenever its registration will not be served.
-
-A WRITE that ends unsuccessfully while some of its transfers may still be in flight (its
-timeout, P's preemption) is fenced first (`Transport.drop_agent` on D's agents) and
-failed, freeing P's blocks and telling D, only once the transport reports every transfer
-ended: D reuses its blocks on that word (protocol/push_receive.py).
+blocks), and D hears a `Rejected` whenever its registration will not be served. Each
+WRITE in flight is a `push_job.WriteJob` (fenced before it fails while in flight).
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.protocol import messages, push_sender, timeline
@@ -25,20 +20,12 @@ from kvferry.connectors.protocol.params import mac_ok
 from kvferry.connectors.protocol.push_sender import PushSender, SendAction
 from kvferry.connectors.protocol.step import StepMeta
 from kvferry.connectors.transfer import layer_push
-from kvferry.connectors.transfer.layer_push import Fences, Forwards, LayerFence, Posting, Ready
+from kvferry.connectors.transfer.layer_push import Fences, Forwards, LayerFence, Ready
+from kvferry.connectors.transfer.push_job import WriteJob
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
-from kvferry.connectors.transfer.transport import FENCE_S, Transfer, XferState
+from kvferry.connectors.transfer.transport import XferState
 
 log = logging.getLogger("vllm." + __name__)
-
-
-@dataclass
-class _Write:
-    posting: Posting  # whole or layer by layer, chosen when the WRITE starts
-    xfers: list[Transfer]  # one per D rank written and batch of layers posted
-    started: float  # monotonic: failed once recv_timeout_s passed
-    ended_at: float  # wall clock of the prefill's end (0: unknown)
-    fenced: tuple[float, str, str] | None = None  # (since, why, detail): failing once ended
 
 
 class PushWrite(RankPart):
@@ -57,7 +44,7 @@ class PushWrite(RankPart):
                                  register_timeout=cfg.push_register_timeout_s,
                                  write_timeout=cfg.recv_timeout_s, layerwise=self.layerwise)
         self.matcher = self.sender.matcher
-        self._writes: dict[str, _Write] = {}
+        self._writes: dict[str, WriteJob] = {}
         self._forwards = Forwards()  # whole-forward fences, per step
         self._fences = Fences()  # layer fences, per step
 
@@ -116,11 +103,12 @@ class PushWrite(RankPart):
             self._forwards.keep_only(self.sender.forward_steps())
         for tid, wr in list(self._writes.items()):
             if wr.fenced is not None:
-                self._end_fenced(tid, wr, now)
+                if wr.fence_over(self.transport, self.stats, now):
+                    self._fail(tid, *wr.fenced[1:])
                 continue
             late = now >= wr.started + self.sender.write_timeout
             try:
-                wr.xfers += wr.posting.post(self.transport, self._fences)
+                wr.post(self.transport, self._fences)
             except Exception as e:
                 self._abandon(tid, f"not posted: {e}")
                 continue
@@ -182,7 +170,7 @@ class PushWrite(RankPart):
             return
         started = time.monotonic()
         timeline.mark(log, s.transfer_id, "write_start")
-        self._writes[s.transfer_id] = _Write(posting, xfers, started, a.ended_at)
+        self._writes[s.transfer_id] = WriteJob(s.transfer_id, posting, xfers, started, a.ended_at)
 
     def _abandon(self, tid: str, why: str, detail: str = "") -> None:
         """Fail the WRITE once none of its transfers can still land: at once when none
@@ -190,42 +178,19 @@ class PushWrite(RankPart):
         wr = self._writes.get(tid)
         if wr is not None and wr.fenced is not None:
             return  # failing already, once its transfers ended
-        if wr is None or all(self.transport.poll(x) != XferState.PROC for x in wr.xfers):
+        if wr is None or not wr.fence(self.transport, self.stats, why, detail):
             self._fail(tid, why, detail)
-            return
-        wr.fenced = (time.monotonic(), why, detail)
-        self.stats.event("transfers_fenced", tid)
-        for agent in {x.peer for x in wr.xfers if x.state == XferState.PROC}:
-            self.transport.drop_agent(agent)
-
-    def _end_fenced(self, tid: str, wr: _Write, now: float) -> None:
-        since, why, detail = wr.fenced
-        state = self.transport.poll_all(wr.xfers)
-        if state == XferState.PROC and now < since + FENCE_S:
-            return
-        if state == XferState.PROC:
-            self.stats.event("transfers_unfenced", tid)
-        self._fail(tid, why, detail)
 
     def _fail(self, tid: str, why: str, detail: str = "") -> None:
         """End a WRITE that did not complete (or start): NIXL aborts what is in flight on
         release; the sender frees P's blocks (or defers it to the request's end), rejects D."""
         if (wr := self._writes.pop(tid, None)) is not None:
-            for x in wr.xfers:
-                self.transport.release(x)
+            wr.release(self.transport)
         log.warning("push %s: WRITE failed: %s", tid, detail or why)
         self.stats.event("writes_failed", tid, detail or why)
         self._run(self.sender.write_failed(tid, why, time.monotonic()))
 
-    def _done(self, tid: str, wr: _Write, now: float) -> None:
+    def _done(self, tid: str, wr: WriteJob, now: float) -> None:
         del self._writes[tid]
-        wr.posting.commit(self.transport, self.stats)  # layer by layer: now tell D
-        timeline.mark(log, tid, "write_done")
-        nbytes = sum(x.nbytes for x in wr.xfers)
-        after = (time.time() - wr.ended_at) * 1e3 if wr.ended_at else float("nan")
-        log.info("kvferry WRITE %s: %d B in %d descriptors, %.1f ms; done %.1f ms after the "
-                 "prefill ended", tid, nbytes, sum(x.ndesc for x in wr.xfers),
-                 (time.monotonic() - wr.started) * 1e3, after)
-        self.stats.event("writes_done", tid)
-        self.stats.add("bytes_written", nbytes)
+        wr.complete(self.transport, self.stats)
         self._run(self.sender.write_done(tid, now))
