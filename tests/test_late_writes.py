@@ -192,3 +192,23 @@ def test_push_write_in_flight_at_p_timeout_frees_p_blocks_only_once_it_ended(eng
     # The data did land (NIXL sent the Wrote after it): D decodes what P wrote.
     got = d.collect(lambda r: "d1" in r.recvd, 10)
     assert got.recvd == {"d1"} and got.bad_blocks == set() and written(d, p, D_BLOCKS, P_BLOCKS)
+
+
+def test_quarantine_for_a_p_that_died_ends_when_its_process_is_gone(engines):
+    """D registered with P, then P's process died and D's request was aborted: nobody
+    will say the WRITE ended, and the fallback is P's WRITE timeout (30 s). D releases
+    once P's side channel refuses connections (a dead process writes nothing more)."""
+    p, d = engines("P", seed=25), engines("D", push_quarantine_s=1.0)
+    d_register(d, p, "d1", "t1", D_BLOCKS)
+    deadline = time.monotonic() + 10
+    while p.worker.push_write.matcher.state("t1") != "waiting_prefill":
+        assert time.monotonic() < deadline, "registration never reached P"
+        time.sleep(0.01)
+    p.worker.close()
+    t0 = time.monotonic()
+    d_abort(d, p, "d1", "t1")
+    got = d.collect(lambda r: "d1" in r.recvd, 20)
+    assert got.recvd == {"d1"} and got.bad_blocks == set(D_BLOCKS)
+    assert time.monotonic() - t0 < 10 < d.cfg.recv_timeout_s
+    assert d.worker.stats.snapshot().counters["push_writer_gone"] == 1
+    assert d.worker.push_recv.num_tracked == 0

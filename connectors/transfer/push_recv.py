@@ -6,12 +6,16 @@ notification with its destination blocks to the P ranks it leads, and waits in a
 finished receive (decode, or recompute with the blocks reported bad), and D reuses
 destination blocks only when no WRITE can still land: every writing P rank said its WRITE
 ended (`Wrote` or `Rejected`), or P's WRITE timeout plus the quarantine passed since D gave
-up (protocol/push_receive.py has the argument).
+up (protocol/push_receive.py has the argument). While it waits that long for a P that
+does not answer, D checks every `PROBE_S` whether P's side channel still listens: a port
+that refuses the connection means P's process is gone, and a WRITE of a process that is
+gone cannot land, so the blocks go then.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +36,18 @@ from kvferry.connectors.transfer.rank_io import RankIO, RankPart
 log = logging.getLogger("vllm." + __name__)
 
 TICK_S = 0.05  # time out waiting transfers at most this often
+PROBE_S = 1.0  # how often a quarantine waiting on a silent P checks that P still exists
+
+
+def gone(host: str, port: int) -> bool:
+    """Nothing listens at host:port any more (refused at once); a timeout is not proof."""
+    try:
+        socket.create_connection((host, port), timeout=0.05).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 @dataclass
@@ -45,6 +61,7 @@ class _DReq:
     ready: bool = False
     registered_at: float = 0.0  # monotonic
     p_ranks: list[int] = field(default_factory=list)  # P ranks we registered with
+    writers: set[int] = field(default_factory=set)  # P ranks whose WRITE we wait for
 
 
 class PushRecv(RankPart):
@@ -60,6 +77,7 @@ class PushRecv(RankPart):
                                      quarantine=cfg.recv_timeout_s + cfg.push_quarantine_s)
         self._d: dict[str, _DReq] = {}
         self._last_tick = 0.0
+        self._last_probe = 0.0
 
     def awaiting(self) -> bool:
         """A Wrote notification is expected."""
@@ -107,6 +125,7 @@ class PushRecv(RankPart):
             expect, idle, failure = {self.ranks.rank}, [], e
         else:
             failure = None
+        d.writers = set(expect)
         self._apply(self.receiver.expect(task.transfer_id, task.req_id, expect, now))
         sent: list[int] = []
         try:
@@ -181,3 +200,20 @@ class PushRecv(RankPart):
         if now - self._last_tick >= TICK_S:
             self._last_tick = now
             self._apply(self.receiver.tick(now))
+        if now - self._last_probe >= PROBE_S:
+            self._last_probe = now
+            self._probe_quarantined(now)
+
+    def _probe_quarantined(self, now: float) -> None:
+        """Release quarantined blocks whose writing P ranks' processes are all gone."""
+        dead: dict[tuple[str, int], bool] = {}
+        for tid, d in list(self._d.items()):
+            if self.receiver.state(tid) != "quarantined" or not d.writers:
+                continue
+            addrs = [(d.host, d.port + p) for p in d.writers]
+            for a in addrs:
+                if a not in dead:
+                    dead[a] = gone(*a)
+            if all(dead[a] for a in addrs):
+                self.stats.event("push_writer_gone", tid)
+                self._apply(self.receiver.rejected(tid, "P's process is gone", now))

@@ -34,6 +34,7 @@ COUNTERS = (
     "rejections",  # P: registrations refused (D recomputes)
     "push_received",  # D: pushed KV complete (every P rank's Wrote)
     "push_failed",  # D: a push that ended without the KV
+    "push_writer_gone",  # D: a quarantined push released early: P's side channel refused
     "recomputes",  # either side: a request falls back to computing the KV itself
     "transfers_fenced",  # READs/WRITEs still running past their deadline: peer agent dropped
     "transfers_unfenced",  # ... that reported no end FENCE_S after that (given up on anyway)
