@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -334,12 +335,13 @@ async def _every(period_s: float, fn: Callable[[], Awaitable[None]]) -> None:
 
 
 def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
+          log_level: str = "info", sock: socket.socket | None = None) -> None:
     """Run the router under uvicorn (blocking) until SIGINT, or SIGTERM: then drain.
 
     Draining is uvicorn's graceful shutdown (listener closed, in-flight requests and
     streams finish, bounded by ``drain_timeout_s``); the process then exits 0, as an
-    orchestrator expects of a replica it asked to stop.
+    orchestrator expects of a replica it asked to stop. ``sock``: a listening socket to
+    serve on instead of binding host:port (a worker of `workers.serve_workers`).
     """
     import uvicorn
 
@@ -364,4 +366,4 @@ def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             access_log=verbose,
                             timeout_graceful_shutdown=settings.drain_timeout_s)
-    DrainingServer(config).run()
+    DrainingServer(config).run(sockets=[sock] if sock is not None else None)

@@ -106,6 +106,9 @@ def router(
         help="Consecutive failures that eject an engine until it answers /health.")] = 3,
     drain_timeout: Annotated[float, typer.Option(
         help="On SIGTERM, seconds in-flight requests get to finish.")] = 30.0,
+    workers: Annotated[int, typer.Option(
+        envvar="KVFERRY_ROUTER_WORKERS", help="Router processes on the port (SO_REUSEPORT), "
+        "one core each; more than one needs --state redis://.")] = 1,
     max_active: Annotated[int, typer.Option(
         envvar="KVFERRY_MAX_ACTIVE", help="Completions served at once (streams count until "
         "their end); more wait for admission.")] = 512,
@@ -154,7 +157,7 @@ def router(
     log_level: str = "info",
 ) -> None:
     """Run the OpenAI-compatible router in front of prefill and decode engines."""
-    from kvferry.router.app import serve
+    from kvferry.router import workers as router_workers
     from kvferry.router.settings import RouterSettings
 
     wire_router_faults()
@@ -190,7 +193,9 @@ def router(
     except ValidationError as exc:
         msgs = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
         raise typer.BadParameter(msgs) from exc
-    serve(settings, host=host, port=port, log_level=log_level)
+    if (why := router_workers.check(settings, workers)) is not None:
+        raise typer.BadParameter(why)
+    raise typer.Exit(router_workers.serve_workers(settings, host, port, log_level, workers))
 
 
 @app.command()

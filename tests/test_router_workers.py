@@ -1,0 +1,68 @@
+"""Several router worker processes on one port (router/workers.py): real `kvferry router
+--workers 2 --state redis://` processes, FAKE engines (tests/helpers_http.py) and a real
+Redis. Both workers serve, and SIGTERM drains them and exits 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+from fleet_stack import RedisServer, RouterProcess
+from helpers_http import free_port
+from helpers_router_fleet import fresh_redis, redis_server  # noqa: F401
+
+from kvferry.router import workers
+from kvferry.router.settings import RouterSettings
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_more_than_one_worker_needs_shared_state() -> None:
+    memory = RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"])
+    assert "redis" in (workers.check(memory, 2) or "")
+    assert workers.check(memory, 1) is None
+    shared = RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"],
+                            state="redis://127.0.0.1:1/0")
+    assert workers.check(shared, 4) is None
+
+
+def test_two_workers_share_the_port_and_drain(fresh_redis: RedisServer,  # noqa: F811
+                                              tmp_path: Path) -> None:
+    engines = []
+    procs = []
+    try:
+        for name in ("prefill", "decode"):
+            port = free_port()
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "helpers_http.py"),
+                                           str(port), name], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+            engines.append(f"http://127.0.0.1:{port}")
+        router = RouterProcess(["--prefill", engines[0], "--decode", engines[1],
+                                "--health-interval", "0", "--workers", "2",
+                                "--state", fresh_redis.url], "test", tmp_path / "router.log")
+        router.start()
+        assert router.proc is not None
+        kids = psutil.Process(router.proc.pid).children()
+        assert len(kids) == 2
+        cpu0 = [k.cpu_times().user + k.cpu_times().system for k in kids]
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}
+        for _ in range(60):  # a fresh connection each: the kernel spreads them
+            with httpx.Client(trust_env=False, timeout=30) as c:
+                r = c.post(router.url + "/v1/completions", json=body)
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        used = [k.cpu_times().user + k.cpu_times().system - c0 for k, c0 in zip(kids, cpu0,
+                                                                               strict=True)]
+        assert all(u > 0 for u in used), used  # both workers served requests
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.proc.wait(timeout=30) == 0
+        time.sleep(0.2)
+        assert not any(k.is_running() and k.status() != psutil.STATUS_ZOMBIE for k in kids)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
