@@ -274,6 +274,9 @@ async def model_of(url: str) -> str:
 
 
 def git_commit() -> str:
+    """KVFERRY_COMMIT when set (a copied tree, as on the GPU machine, has no or a stale .git)."""
+    if os.environ.get("KVFERRY_COMMIT"):
+        return os.environ["KVFERRY_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=HERE, check=True).stdout.strip()
