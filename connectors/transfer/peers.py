@@ -8,6 +8,7 @@ its metadata twice would invalidate the transfers in flight to it.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import msgspec
@@ -19,6 +20,18 @@ from kvferry.connectors.transfer.handshake import HandshakeError, fetch
 from kvferry.connectors.transfer.transport import Peer, Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+
+def gone(host: str, port: int) -> bool:
+    """Nothing listens at a peer's side channel host:port any more (the connection is
+    refused at once): its process is gone. A timeout is no proof and says False."""
+    try:
+        socket.create_connection((host, port), timeout=0.05).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def peer_key(rank: int, engine_id: str | None = None, host: str = "", port: int = 0) -> str:

@@ -15,7 +15,6 @@ gone cannot land, so the blocks go then.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ from kvferry.connectors.protocol.push_receive import (
     ReleaseDest,
 )
 from kvferry.connectors.protocol.step import RegisterTask, StepMeta
+from kvferry.connectors.transfer.peers import gone
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
 
 log = logging.getLogger("vllm." + __name__)
@@ -38,16 +38,6 @@ log = logging.getLogger("vllm." + __name__)
 TICK_S = 0.05  # time out waiting transfers at most this often
 PROBE_S = 1.0  # how often a quarantine waiting on a silent P checks that P still exists
 
-
-def gone(host: str, port: int) -> bool:
-    """Nothing listens at host:port any more (refused at once); a timeout is not proof."""
-    try:
-        socket.create_connection((host, port), timeout=0.05).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 @dataclass

@@ -24,6 +24,7 @@ from kvferry.connectors.protocol import messages
 from kvferry.connectors.protocol.step import RecvTask, ReuseRead
 from kvferry.connectors.protocol.tp_map import Segment
 from kvferry.connectors.transfer.lease_control import LeaseCheck
+from kvferry.connectors.transfer.peers import gone
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
 from kvferry.connectors.transfer.transport import FENCE_S, Peer, Transfer, XferState
 
@@ -244,6 +245,8 @@ class Reads(RankPart):
             return
         o = rd.task.offer
         for r, (_, msg) in zip(rd.release_ranks, rd.release, strict=True):
+            if gone(o.remote_host, o.remote_port + r):  # P died: nothing to free, no wait
+                continue
             try:
                 self.peers.send(self.peers.at(o.remote_host, o.remote_port, o.remote_engine_id,
                                               r)[1], msg)
