@@ -166,7 +166,6 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
             "side_channel_host": spec.side_host,
             "side_channel_port": spec.side_channel_port,
             "lease_control_port": spec.control_port,
-            "transfer_mode": spec.mode,
         }
         if spec.nixl_backends:
             extra["nixl_backends"] = list(spec.nixl_backends)

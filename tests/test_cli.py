@@ -60,8 +60,7 @@ def test_cpu_kvferry_engine(role: str, side: int, bind: str, tmp_path: Path) -> 
         "kv_load_failure_policy": "recompute",
         # the lease-control port right after the one TP rank's side channel
         "kv_connector_extra_config": {"hardware_backend": "cpu", "side_channel_host": "127.0.0.1",
-                                      "side_channel_port": side, "lease_control_port": side + 1,
-                                      "transfer_mode": "pull"},
+                                      "side_channel_port": side, "lease_control_port": side + 1},
     }
     assert engine_env(spec) == {
         "VLLM_CPU_OMP_THREADS_BIND": bind,

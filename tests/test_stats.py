@@ -123,8 +123,10 @@ def test_every_counter_the_code_counts_is_declared():
         for call in ast.walk(ast.parse(f.read_text())):
             if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                     and call.func.attr in ("event", "add") and call.args
-                    and isinstance(call.func.value, ast.Attribute)
-                    and call.func.value.attr == "stats"):
+                    and (isinstance(call.func.value, ast.Attribute)
+                         and call.func.value.attr == "stats"
+                         or isinstance(call.func.value, ast.Name)  # a Stats handed in
+                         and call.func.value.id == "stats")):
                 used |= {c.value for c in ast.walk(call.args[0])
                          if isinstance(c, ast.Constant) and isinstance(c.value, str)}
     assert {"reads_done", "reuse_reads_failed", "writes_done", "push_failed"} <= used
