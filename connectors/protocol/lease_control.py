@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from kvferry.connectors.protocol.params import mac, mac_ok
+
+_Signed = TypeVar("_Signed", bound=msgspec.Struct)
 
 # "info": the router looks a lease up; "check": a P about to READ the lease's blocks asks
 # that it still holds (D then keeps them a grace longer than that READ may run).
@@ -73,6 +75,12 @@ def parse(blob: bytes, key: bytes | None = None, now: float | None = None) -> Le
             raise ValueError("bad ttl")
     except Exception:
         raise Refused("bad_request") from None
+    return authentic(req, key, now)
+
+
+def authentic(req: _Signed, key: bytes | None, now: float | None) -> _Signed:
+    """``req`` if its ``sig`` is ``key``'s MAC of it and its ``ts`` is no more than
+    MAX_SKEW_S from ``now``; else `Refused`. Shared by every signed side-channel request."""
     if not mac_ok(req, req.sig, key):
         raise Refused("bad_signature")
     if abs((time.time() if now is None else now) - req.ts) > MAX_SKEW_S:

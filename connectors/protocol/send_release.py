@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
-from kvferry.connectors.protocol.lease_control import MAX_SKEW_S, Refused
-from kvferry.connectors.protocol.params import PROTOCOL_VERSION, SIG, mac, mac_ok
+from kvferry.connectors.protocol.lease_control import Refused, authentic
+from kvferry.connectors.protocol.params import PROTOCOL_VERSION, SIG, mac
 
 PREFIX = b"kvf%d-release-send" % PROTOCOL_VERSION
 
@@ -69,11 +69,7 @@ def parse(blob: bytes, key: bytes | None = None, now: float | None = None) -> Re
             raise ValueError("bad field")
     except Exception:
         raise Refused("bad_request") from None
-    if not mac_ok(req, req.sig, key):
-        raise Refused("bad_signature")
-    if abs((time.time() if now is None else now) - req.ts) > MAX_SKEW_S:
-        raise Refused("stale")
-    return req
+    return authentic(req, key, now)
 
 
 def reply(ok: bool, error: str = "") -> bytes:
