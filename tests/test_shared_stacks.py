@@ -4,14 +4,23 @@ the first gets it only at baseline. Fakes stand in for the engines (no vLLM star
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import conftest
 import pytest
 import shared_stacks
 from shared_stacks import PairConfig
+
+# tests/conftest.py by its path: in a whole run the module named `conftest` can be another
+# directory's (tests/gpu/conftest.py), which has none of these hooks.
+_spec = importlib.util.spec_from_file_location("kvferry_tests_conftest",
+                                               Path(__file__).with_name("conftest.py"))
+assert _spec and _spec.loader
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
 
 
 @dataclass

@@ -209,12 +209,13 @@ class LayeredWrite:
 
     def commit(self, transport: Transport, stats: Stats) -> None:
         """Every layer's WRITE completed (NIXL flushes each transfer to its target before
-        reporting it done): tell each D rank, as a whole-request WRITE's notification."""
-        for peer, _ in self.targets:
-            transport.notify(peer, self.note)
+        reporting it done): tell each D rank, as a whole-request WRITE's notification.
+        Counted first: once D is told, the count already says so."""
         stats.add("layered_writes")
         stats.add("layers_posted_early", self.posted_early)
         stats.add("layer_batches", self.batches)
+        for peer, _ in self.targets:
+            transport.notify(peer, self.note)
 
 
 Posting = WholeWrite | LayeredWrite
