@@ -6,6 +6,8 @@ process groups (no orphans) until SIGINT (Ctrl-C, or `kill -INT` of an `up` star
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shlex
 import signal
 import socket
@@ -17,6 +19,7 @@ from types import FrameType
 import typer
 
 from kvferry.connectors.protocol.params import SECRET_ENV, deployment_secret
+from kvferry.router.wire import OPERATOR_TOKEN_ENV
 
 from .cpu_pin import restore_worker_binding
 from .demo import run_demo
@@ -216,6 +219,10 @@ def up_stack(
         typer.echo(f"port(s) already in use: {busy}; stop what holds them or pick others", err=True)
         return 1
 
+    if run_demo_after and not os.environ.get(OPERATOR_TOKEN_ENV):
+        # The demo prints which engines served each turn, which the router shows only to
+        # its operator: a token for this stack alone, known to the router and the demo.
+        os.environ[OPERATOR_TOKEN_ENV] = secrets.token_hex(16)
     old = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
     try:
         for c in children:

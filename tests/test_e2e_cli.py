@@ -8,6 +8,7 @@ turn ever reused D's KV."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,9 +24,15 @@ def test_kvferry_run_moves_kv_both_ways(tmp_path):
     ports = [str(free_port()) for _ in range(3)]
     argv = [sys.executable, "-m", "kvferry.scripts.cli", "run", "--prefill-port", ports[0],
             "--decode-port", ports[1], "--router-port", ports[2]]
-    r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k != "KVFERRY_OPERATOR_TOKEN"}
+    r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
+    # Engine identity is the operator's: `run` makes a token for its own router and demo,
+    # so every turn names the D that served it (and P where one prefilled).
+    served = re.findall(r"^turn \d: .*\(P (\S+), D (\S+)\)$", r.stdout, re.M)
+    assert len(served) == 4 and {d for _, d in served} == {f"http://127.0.0.1:{ports[1]}"}, out[-3000:]
+    assert served[0][0] == f"http://127.0.0.1:{ports[0]}", out[-3000:]
     assert "demo ok" in out and "all processes stopped" in out
     notes = re.findall(r"^turn (\d): .*?(?:(\d+) history tokens reused|(served by D from its "
                        r"own cache))", out, re.M)
