@@ -3,6 +3,7 @@
 # .kit (shared gpukit README), vllm-router + uvloop wheels in .whl and .kit/uvl; for each
 # STACK (nixl: vLLM NixlConnector engines, all three impls; kvpull / kvpush: kvferry's
 # connector) `kvferry up --share-device 30` on a qwen3-0.6b shape, then the bench.
+# (overload: kvferry's router alone at 4x its admission capacity of 64 + 64, then at half.)
 # usage: KVFERRY_COMMIT=<commit> DUR=30 bash benchmarks/h200_router_dataplane.sh STACK...
 set -uo pipefail
 bash .kit/install.sh .kit >/dev/null || exit 9
@@ -27,15 +28,22 @@ for S in "$@"; do
     nixl)   UPARGS="--connector vllm-nixl"; IMPLS=direct,kvferry,vllm-router ;;
     kvpull) UPARGS="--connector kvferry --mode pull"; IMPLS=direct,kvferry ;;
     kvpush) UPARGS="--connector kvferry --mode push"; IMPLS=direct,kvferry ;;
+    overload) UPARGS="--connector kvferry --mode pull"; IMPLS=kvferry ;;
   esac
   t0=$(date +%s)
   python3 -m kvferry.scripts.cli up --hardware-backend cuda --share-device 30 --model $M $UPARGS > $OUT/up-$S.log 2>&1 &
   UPPID=$!
   if ! wait_up; then echo "stack $S did not come up"; tail -30 $OUT/up-$S.log; stop; continue; fi
   echo "stack $S up in $(( $(date +%s) - t0 )) s"
-  python3 benchmarks/router_dataplane.py --hardware h200x1 --no-pin --prefill http://127.0.0.1:8100 \
-    --decode http://127.0.0.1:8200 --kvferry http://127.0.0.1:8000 --duration $DUR --impls $IMPLS \
-    --vllm-router /tmp/site/bin/vllm-router --log-dir $OUT --out $OUTF 2>&1 | tail -15
+  if [ "$S" = overload ]; then  # a router of its own with 64 active + 64 queued, at 4x
+    python3 benchmarks/router_dataplane.py --hardware h200x1 --no-pin --prefill http://127.0.0.1:8100 \
+      --decode http://127.0.0.1:8200 --overload --max-active 64 --kvferry-arg=--max-queued \
+      --kvferry-arg=64 --output-len 128 --duration $DUR --log-dir $OUT --out $OUTF 2>&1 | tail -15
+  else
+    python3 benchmarks/router_dataplane.py --hardware h200x1 --no-pin --prefill http://127.0.0.1:8100 \
+      --decode http://127.0.0.1:8200 --kvferry http://127.0.0.1:8000 --duration $DUR --impls $IMPLS \
+      --vllm-router /tmp/site/bin/vllm-router --log-dir $OUT --out $OUTF 2>&1 | tail -15
+  fi
   python3 - "$OUTF" "$S" <<'PY'
 import json,sys
 rows=[json.loads(l) for l in open(sys.argv[1])]
