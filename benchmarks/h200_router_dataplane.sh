@@ -14,6 +14,9 @@ fi
 mkdir -p /tmp/kvpkg/kvferry
 for t in connectors router neuron scripts; do ln -sfn "$PWD/$t" /tmp/kvpkg/kvferry/$t; done
 export PYTHONPATH=/tmp/kvpkg:$PYTHONPATH:/tmp/site
+# kvferry is on PYTHONPATH, not installed: its console script, for the bench's own router
+mkdir -p /tmp/kvpkg/bin && printf '#!/bin/sh\nexec python3 -m kvferry.scripts.cli "$@"\n' > /tmp/kvpkg/bin/kvferry
+chmod +x /tmp/kvpkg/bin/kvferry && export PATH=/tmp/kvpkg/bin:$PATH
 export KVFERRY_COMMIT=${KVFERRY_COMMIT:-unknown} PYTHONUNBUFFERED=1
 python3 -c "import aiohttp, uvloop, psutil, kvferry.router.app; print('imports ok', aiohttp.__version__)" || exit 7
 M=/tmp/m06; [ -d $M ] || python3 -m kvferry.scripts.cli model --shape qwen3-0.6b $M >/dev/null || exit 6
