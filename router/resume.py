@@ -19,7 +19,6 @@ original prompt and every generated token, and logprob text offsets keep countin
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import msgspec
 
 from . import bodies
-from .sse_framing import event_ends, last_event_end
+from .sse_framing import event_ends, last_event_end, plain_token_ids
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """vLLM's `max_tokens` when a completions request names none."""
@@ -118,9 +117,6 @@ def continuation_body(progress: Progress, clean: dict[str, Any]) -> dict[str, An
 
 
 _DONE = b"data: [DONE]"
-_UNFINISHED = b'"finish_reason":null'
-_TOKEN_IDS_KEY = b'"token_ids":'
-_TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9, ]*)\]')
 
 
 class EventRewriter:
@@ -225,27 +221,15 @@ class EventRewriter:
         return (b"data: " + msgspec.json.encode(obj) if changed else event) + sep
 
     def _plain_token(self, event: bytes) -> bytes | None:
-        """The common event (one choice's next token, not the last, nothing else to record)
-        handled on its bytes: its token ids recorded and, unless the client asked for them,
-        nulled; None when the event needs the parsing path. Safe on bytes: JSON escapes
-        every quote inside a string, so `"token_ids":` can only be a key."""
-        if (not event.startswith(b"data: {") or _UNFINISHED not in event
-                or b'"error"' in event or b"prompt_token_ids" in event or b'"role"' in event
-                or event.count(_TOKEN_IDS_KEY) != 1):
+        """A plain token event handled on its bytes (`plain_token_ids`): its ids recorded
+        and, unless the client asked for them, nulled; None when it needs parsing."""
+        found = plain_token_ids(event)
+        if found is None:
             return None
-        m = _TOKEN_IDS.search(event)
-        if m is None:
-            return None
-        ids = m.group(1)
-        if ids.strip():
-            try:
-                self.p.sent.extend(map(int, ids.split(b",")))
-            except ValueError:
-                return None
+        ids, start, end = found
+        self.p.sent.extend(ids)
         self.p.events += 1
-        if self.p.want_ids:
-            return event
-        return event[:m.start()] + b'"token_ids":null' + event[m.end():]
+        return event if self.p.want_ids else event[:start] + b'"token_ids":null' + event[end:]
 
     # -- the stream's first answer: record, null what the client did not ask for -----------
     def _first(self, obj: dict[str, Any]) -> bool:

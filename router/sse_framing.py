@@ -1,5 +1,6 @@
-"""Where the events of an SSE byte stream end: shared by every filter the router runs
-over an engine's stream (engine-field scrubbing, stream migration, answer capture)."""
+"""Where the events of an SSE byte stream end, and what a plain token event holds: shared
+by every filter the router runs over an engine's stream (engine-field scrubbing, stream
+migration, answer capture), all on bytes."""
 
 from __future__ import annotations
 
@@ -36,3 +37,27 @@ def last_event_end(data: bytes) -> int:
             return i + 2
     ends = [end for _, end in event_ends(data)]
     return ends[-1] if ends else 0
+
+
+_UNFINISHED = b'"finish_reason":null'
+_TOKEN_IDS_KEY = b'"token_ids":'
+_TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9, ]*)\]')
+
+
+def plain_token_ids(event: bytes) -> tuple[list[int], int, int] | None:
+    """For the common event (one choice's next token, not the last: no error, role, prompt
+    ids or finish reason) its token ids and the (start, end) of its `"token_ids":[...]`;
+    None when the event needs parsing. Safe on bytes: JSON escapes every quote inside a
+    string, so `"token_ids":` can only be a key."""
+    if (not event.startswith(b"data: {") or _UNFINISHED not in event
+            or b'"error"' in event or b"prompt_token_ids" in event or b'"role"' in event
+            or event.count(_TOKEN_IDS_KEY) != 1):
+        return None
+    m = _TOKEN_IDS.search(event)
+    if m is None:
+        return None
+    try:
+        ids = [int(i) for i in m.group(1).split(b",")] if m.group(1).strip() else []
+    except ValueError:
+        return None
+    return ids, m.start(), m.end()
