@@ -181,8 +181,26 @@ class Injector:
         if ev.kind.startswith("lease_"):
             time.sleep(1.0)  # every process has re-read the plan (faults.RELOAD_S)
             self._lease_calls(ev)
+        if ev.kind == "read_hold":
+            time.sleep(1.0)
+            self._held_reads(ev, end)
         time.sleep(max(0.0, end - time.monotonic()))
         self.plan.off(key)
+
+    def _held_reads(self, ev: FaultEvent, end: float) -> None:
+        """Pull requests of its own until one READ was held: background traffic may finish
+        no transfer in a window while engines restart on two busy cores (a CI run held
+        none), and a window that held nothing tested nothing. At most one hold past the
+        window's end."""
+        rule = HOOKS["read_hold"][0]
+        held0 = self._hits("done_hold")
+        deadline = end + float(rule["s"])
+        sent = 0
+        while self._hits("done_hold") == held0 and time.monotonic() < deadline:
+            base = self._base()
+            self._send(ev, Item(base.endpoint, base.body, "pull", "read_hold", want=base.want))
+            sent += 1
+        ev.detail += f" own pulls={sent} held={self._hits('done_hold') - held0}"
 
     def _lease_calls(self, ev: FaultEvent) -> None:
         """Lease-control traffic inside the window (background turns may not make any):
@@ -298,7 +316,7 @@ class Injector:
         ev.detail = (f"released={released} with the READ in flight={in_flight}; "
                      f"turn 2 reuse_reason={reuse!r}")
 
-    def _hits(self, point: str, tags: list[str]) -> int:
-        """Hook hits at `point` so far in the processes tagged `tags`."""
-        return sum(e.get("point") == point and e.get("tag") in tags
+    def _hits(self, point: str, tags: list[str] | None = None) -> int:
+        """Hook hits at `point` so far in the processes tagged `tags` (None: in any)."""
+        return sum(e.get("point") == point and (tags is None or e.get("tag") in tags)
                    for e in hook_events(self.plan.events))

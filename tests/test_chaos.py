@@ -47,6 +47,8 @@ def test_chaos_books_balance(tmp_path, capsys):
     # come with any request). The others depend on what the traffic did in the window.
     points = {k.split(":")[0] for k in books.hook_hits}
     assert {"lease_call", "lease_handle", "post", "done_hold"} <= points, books.hook_hits
+    holds = [e["detail"] for e in facts["events"] if e["fault"] == "read_hold"]
+    assert holds and all(" held=0" not in d for d in holds), holds  # each window held a READ
     assert points <= {r["point"] for rules in HOOKS.values() for r in rules}
     kinds = [o.kind for o in books.outcomes]
     assert kinds.count("ok") >= 40, f"too little traffic got through: {kinds}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
@@ -71,6 +72,7 @@ class FakeModel:
         self.stop_early = False
         self.lease_offer = False
         self.answer_delay_s = 0.0  # prefill: before answering
+        self.answer_gate: threading.Event | None = None  # prefill: answer once it is set
         self.token_one_shift = 0  # prefill: answer another token 1 than the model's
         self.first_delay_s = 0.0  # decode: before the stream's first event
         self.first_event_at: float | None = None  # decode: when it was sent (perf_counter)
@@ -114,6 +116,8 @@ class FakeModel:
                               out: list[int]) -> JSONResponse:
         """vLLM's JSON answer to a prefill leg (max_tokens 1), token ids when asked."""
         await asyncio.sleep(self.answer_delay_s)
+        if self.answer_gate is not None:
+            assert await asyncio.to_thread(self.answer_gate.wait, 20), "gate never opened"
         ids = bool(body.get("return_token_ids"))
         t = out[0] + self.token_one_shift
         if chat:
@@ -431,8 +435,10 @@ PUSH_HDR = {"x-kvferry-mode": "push"}
 
 
 def timed_stream(url: str, body: dict[str, Any], chat: bool = False,
-                 headers: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], float]:
-    """The stream's events and when its first event arrived (perf_counter)."""
+                 headers: dict[str, str] | None = None,
+                 on_first: threading.Event | None = None) -> tuple[list[dict[str, Any]], float]:
+    """The stream's events and when its first event arrived (perf_counter); `on_first`
+    is set when the client has it."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     first_at = None
     raw = b""
@@ -443,6 +449,8 @@ def timed_stream(url: str, body: dict[str, Any], chat: bool = False,
         for chunk in r.iter_bytes():
             if first_at is None and b"data: {" in chunk:
                 first_at = time.perf_counter()
+                if on_first is not None:
+                    on_first.set()
             raw += chunk
     assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"[DONE]") == 1 and first_at
     return [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")], first_at
@@ -525,9 +533,12 @@ def test_push_first_token_only_for_greedy_continuable_streams(fleet, extra: dict
 
 
 def test_push_first_token_later_than_d_leaves_d_stream_alone(fleet) -> None:
+    """P's answer comes after the client already has D's first event (P answers only
+    then: a fixed delay would race D's stream on a busy machine): D's stream as it is."""
     url, p, ds, app = fleet(n_d=1, **PUSH_KV)
-    p.answer_delay_s = 0.3  # D streams everything before P answers
-    events, _ = timed_stream(url, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    p.answer_gate = threading.Event()
+    events, _ = timed_stream(url, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+                             on_first=p.answer_gate)
     assert tokens_of(events) == greedy(PROMPT, 4)
     assert metric(app, "kvferry_router_first_token_total", result="sent") == 0
     assert metric(app, "kvferry_router_first_token_total", result="spliced") == 0
