@@ -196,6 +196,28 @@ def test_d_abort_frees_a_held_prefill() -> None:
     assert reports(s.aborted("t1", 0.1)) == ["p1"] and s.num_tracked == 0
 
 
+def test_a_request_handed_over_is_never_handed_over_again() -> None:
+    """Found by the model: a second fence for a prompt the matcher already refused (its
+    transfer id was in use) put it back on the early list, and P's abort then freed its
+    blocks twice. Likewise a layer-wise prompt whose gate timed out before its fence."""
+    s = sender()
+    s.step_meta(StepMeta(push_send=[item("p1")]), 1, 0.0)  # p1 holds t1
+    s.forward([item("p2")], 2)
+    refused = s.poll(3, {2}, 0.1)
+    assert [(a.owner, a.report) for a in refused if isinstance(a, Free)] == [("p2", False)]
+    s.forward([item("p2")], 2)
+    assert not s.busy() and s.poll(4, {2}, 0.2) == []
+    assert reports(s.step_meta(StepMeta(push_abort_p=[("t1", "p2")]), 5, 0.3)) == ["p2"]
+
+    s = sender(layerwise=True)
+    s.step_meta(StepMeta(push_ready=[item()]), 1, 0.0)
+    s.poll(2, set(), WRITE_TIMEOUT)  # the gate is dropped; the matcher still holds p1
+    s.forward([item()], 1)
+    assert not s.busy()
+    out = s.step_meta(StepMeta(push_abort_p=[("t1", "p1")]), 3, WRITE_TIMEOUT + 0.1)
+    assert reports(out) == ["p1"] and s.num_tracked == 0
+
+
 # -- stateful model check -----------------------------------------------------------------
 
 TIDS = ["t0", "t1", "t2"]

@@ -138,6 +138,7 @@ class PushSender:
         self._deferred: set[str] = set()  # ... and already freed by the matcher
         self._gates: dict[str, Gate] = {}  # layer-wise: req id -> gate of its last chunk
         self._layered: dict[str, Gate] = {}  # transfer id -> gate of a layer-wise WRITE
+        self._handed: set[str] = set()  # handed to the matcher early, not preempted since
         self._last_tick = 0.0
 
     # -- inspection ------------------------------------------------------------------------
@@ -151,7 +152,8 @@ class PushSender:
 
     @property
     def num_tracked(self) -> int:
-        return len(self._p) + len(self._ready) + len(self._deferred) + len(self._gates)
+        return (len(self._p) + len(self._ready) + len(self._deferred) + len(self._gates)
+                + len(self._handed))
 
     @property
     def num_unfinished(self) -> int:
@@ -179,7 +181,9 @@ class PushSender:
         for s in items:
             if (g := self._gates.get(s.req_id)) is not None and g.step == step:
                 g.reported = True
-            else:
+            elif s.req_id not in self._handed:
+                # (A request the matcher already has, e.g. a layer-wise one whose gate timed
+                # out, is never handed over a second time: that freed its blocks twice.)
                 self._ready[s.req_id] = (s, step)
 
     def step_meta(self, meta: StepMeta, step: int, now: float) -> list[SendAction]:
@@ -190,6 +194,7 @@ class PushSender:
             # nothing to report freed; D is rejected and recomputes.
             self._ready.pop(req_id, None)
             self._gates.pop(req_id, None)
+            self._handed.discard(req_id)
             if (g := self._layered.get(tid)) is not None and g.item.req_id == req_id:
                 out.append(FailWrite(tid, "preempted on P"))
             else:
@@ -207,6 +212,7 @@ class PushSender:
             for s in meta.push_ready:  # this step computes their last chunk
                 self._gates[s.req_id] = Gate(s, step, now)
                 self._unfinished.add(s.req_id)
+                self._handed.add(s.req_id)
                 out += self._prefill_done(s, now)
         return out
 
@@ -245,6 +251,7 @@ class PushSender:
                 del self._ready[req_id]
                 out.append(Mark(s.transfer_id, "forward_done"))
                 self._unfinished.add(req_id)
+                self._handed.add(req_id)
                 out += self._prefill_done(s, now)
         for req_id, g in list(self._gates.items()):
             g.forward_done = g.forward_done or (g.reported and g.step in passed)
@@ -291,6 +298,7 @@ class PushSender:
     def _finished(self, owner: str) -> list[SendAction]:
         """P's scheduler finished ``owner``: a free the matcher already decided is due."""
         self._unfinished.discard(owner)
+        self._handed.discard(owner)
         if owner not in self._deferred:
             return []
         self._deferred.discard(owner)
