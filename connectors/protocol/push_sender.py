@@ -138,7 +138,8 @@ class PushSender:
         self._deferred: set[str] = set()  # ... and already freed by the matcher
         self._gates: dict[str, Gate] = {}  # layer-wise: req id -> gate of its last chunk
         self._layered: dict[str, Gate] = {}  # transfer id -> gate of a layer-wise WRITE
-        self._handed: set[str] = set()  # handed to the matcher early, not preempted since
+        # handed to the matcher early and not preempted since (a subset of _unfinished)
+        self._handed: set[str] = set()
         self._last_tick = 0.0
 
     # -- inspection ------------------------------------------------------------------------
@@ -152,12 +153,11 @@ class PushSender:
 
     @property
     def num_tracked(self) -> int:
-        return (len(self._p) + len(self._ready) + len(self._deferred) + len(self._gates)
-                + len(self._handed))
+        return len(self._p) + len(self._ready) + len(self._deferred) + len(self._gates)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._unfinished)
+        return len(self._unfinished | self._handed)
 
     def forward_steps(self) -> set[int]:
         """Steps whose forward's fence is still awaited."""
