@@ -206,7 +206,7 @@ class RouterMetrics:
         )
         self.first_token = Counter(
             "kvferry_router_first_token",
-            "Push streams offered P's first token (router/first_token.py), by outcome: sent "
+            "Push streams offered P's first token (router/legs/first_token.py), by outcome: sent "
             "(P's token reached the client before D's first event), spliced (D's token 1 "
             "matched it and was dropped), mismatch (it did not: the stream went on from "
             "prompt + P's token elsewhere), d_first (D's first event came first: D's stream "

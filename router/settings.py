@@ -88,7 +88,7 @@ class RouterSettings(BaseModel):
     )
     max_connections: int = Field(1024, gt=0, description="httpx pool size shared by all upstreams.")
     max_active: int = Field(512, gt=0, description="Completions one router process serves at "
-                            "once (a stream until its end); more wait (router/admission.py).")
+                            "once (a stream until its end); more wait (router/api/admission.py).")
     max_queued: int = Field(1024, ge=0, description="Requests that may wait for admission; "
                             "beyond, 429 with Retry-After.")
     queue_timeout_s: float = Field(10.0, gt=0, description="Longest wait for admission; then "
@@ -128,7 +128,7 @@ class RouterSettings(BaseModel):
     first_token_from_prefill: bool = Field(True, description="Push, greedy streams: send "
                                            "the client P's first token as soon as P answers, "
                                            "then D's stream without its own token 1 "
-                                           "(router/first_token.py).")
+                                           "(router/legs/first_token.py).")
     first_token_chat: bool = Field(False, description="Also for chat streams (without tools). "
                                    "Only where the engines run no reasoning parser, which could "
                                    "render token 1 differently in P's whole answer and in D's "

@@ -1,4 +1,4 @@
-"""router/continuation.py: conversations keyed by content, against a real D-side
+"""router/conversations/continuation.py: conversations keyed by content, against a real D-side
 LeaseKeeper behind the real lease-control channel, in memory and in a real redis-server:
 forks, retirement of the continued entry, tenants, bounds."""
 
@@ -16,13 +16,13 @@ from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer.lease_control import ControlServer
-from kvferry.router import continuation
-from kvferry.router.conversations import Conversations, Turn
-from kvferry.router.decode import DecodeHooks
-from kvferry.router.history import Answer, content_key, record
+from kvferry.router.conversations import continuation
+from kvferry.router.conversations.front import Conversations, Turn
+from kvferry.router.conversations.history import Answer, content_key, record
+from kvferry.router.fleet.upstreams import Upstream
+from kvferry.router.legs.decode import DecodeHooks
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.settings import RouterSettings
-from kvferry.router.upstreams import Upstream
 
 KEY = b"continuation-secret"
 D_URL = "http://d"

@@ -28,7 +28,7 @@ from stack import (
     with_router,
 )
 
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 
 pytestmark = [pytest.mark.engine, pytest.mark.shared_stack("reuse")]
@@ -177,7 +177,7 @@ def test_forged_history_changes_the_answer(stack):
              logprobs=None)
     import asyncio
 
-    from kvferry.router import lease_control
+    from kvferry.router.conversations import lease_control
 
     got = asyncio.run(lease_control.call("127.0.0.1", stack.decode.control_port, "info", lid,
                                          key=stack.secret.encode()))

@@ -34,10 +34,10 @@ from stack import (
     wait_until,
 )
 
-from kvferry.router import lease_control
-from kvferry.router.app import create_app
-from kvferry.router.history import CONTENT_KEY_PREFIX
-from kvferry.router.registry import ANONYMOUS
+from kvferry.router.api.app import create_app
+from kvferry.router.conversations import lease_control
+from kvferry.router.conversations.history import CONTENT_KEY_PREFIX
+from kvferry.router.conversations.registry import ANONYMOUS
 
 pytestmark = [pytest.mark.engine, pytest.mark.shared_stack("reuse")]
 

@@ -21,7 +21,7 @@ import torch
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.transfer import faults, lease_control
 from kvferry.connectors.transfer.transport import Transfer, Transport
-from kvferry.router import lease_control as router_lease
+from kvferry.router.conversations import lease_control as router_lease
 from kvferry.scripts import cli
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """Lease control channel: signed, time-stamped requests (connectors/protocol/lease_control.py);
 D's `handle` never raises (connectors/transfer/lease_control.py); real ZMQ round trips
-between the router's `call` (router/lease_control.py) and a `ControlServer`."""
+between the router's `call` (router/conversations/lease_control.py) and a `ControlServer`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvferry.connectors.protocol import lease_control as wire
 from kvferry.connectors.protocol.params import SECRET_ENV, mac, parse_lease
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer import lease_control as lc
-from kvferry.router import lease_control as client
+from kvferry.router.conversations import lease_control as client
 
 KEY = b"test-secret"
 BS = 4

@@ -1,4 +1,4 @@
-"""router/turn_policy.py: where each turn is prefilled, and how its new tokens are counted
+"""router/conversations/turn_policy.py: where each turn is prefilled, and how its new tokens are counted
 (pure; the whole decision space is enumerated)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 import pytest
 
 from kvferry.connectors.protocol.prefix import block_hashes
-from kvferry.router.history import Answer, record, view_of
-from kvferry.router.turn_policy import (
+from kvferry.router.conversations.history import Answer, record, view_of
+from kvferry.router.conversations.turn_policy import (
     MESSAGE_OVERHEAD_TOKENS,
     LocalBudget,
     PolicyConfig,
