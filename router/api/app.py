@@ -41,6 +41,7 @@ from ..fleet.kv_index import PrefixIndex
 from ..fleet.upstreams import UpstreamPool
 from ..legs.context import FlowContext, forward_headers
 from ..legs.flow import run_request
+from ..legs.request import RouterRequest
 from ..metrics import RouterMetrics
 from ..settings import MODES, Mode, RouterSettings
 from ..wire import bodies, validate
@@ -177,8 +178,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
             return refused(endpoint, "invalid_request", _bad_request(why))
         metrics.requests.labels(endpoint=endpoint, mode=mode).inc()
         try:
-            resp = await run_request(ctx, endpoint, path, body, request.headers, mode,
-                                     received)
+            resp = await run_request(ctx, RouterRequest(endpoint, path, body, request.headers, mode,
+                                                  received))
         except RouterError as err:
             metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
             log.warning("request failed: %s", err.message)

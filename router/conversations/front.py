@@ -82,7 +82,11 @@ class Conversations:
         view = history.view_of(body)
         tenant = tenant_of(caller_key(headers), self._secret)
         if cid is None:  # an explicit id wins; without one, the content may say
-            return await continuation.begin(self, tenant, view)
+            turn = await continuation.begin(self.state, self._settle, tenant, view)
+            if turn is not None:
+                self.metrics.content_matches.labels(
+                    result="hit" if turn.entry else "miss").inc()
+            return turn
         await self._settle(tenant, cid)  # the previous streamed turn is still being recorded
         entry = await self.state.get(tenant, cid, time.time())
         self._gauge()
@@ -222,13 +226,6 @@ class Conversations:
         return True
 
     # -- internals -----------------------------------------------------------------------
-    @property
-    def secret(self) -> bytes:
-        return self._secret
-
-    async def settle_key(self, tenant: str, conversation_id: str) -> None:
-        await self._settle(tenant, conversation_id)
-
     def spawn(self, coro: Any) -> None:
         self._spawn(coro)
 
@@ -239,13 +236,18 @@ class Conversations:
             await asyncio.wait({pending}, timeout=self.settings.connect_timeout_s)
 
     async def _release(self, entry: ConversationEntry) -> None:
-        addr = self.settings.decode_control_addr(entry.decode_url)
+        await self.release_lease(entry.lease_id, entry.decode_url)
+
+    async def release_lease(self, lease_id: str, decode_url: str) -> None:
+        """Tell D to release a lease now (a replaced entry's, or a turn nobody can
+        continue: its answer could not be recorded)."""
+        addr = self.settings.decode_control_addr(decode_url)
         if addr is None:
             return
-        reply = await lease_control.call(*addr, "release", entry.lease_id,
+        reply = await lease_control.call(*addr, "release", lease_id,
                                          timeout_s=self.settings.connect_timeout_s, key=self._secret)
-        if not reply.get("ok") and reply.get("error") not in ("expired", "released", "unknown"):
-            log.warning("could not release lease %s on %s: %s", entry.lease_id, entry.decode_url,
+        if not reply.get("ok") and reply.get("error") not in GONE:
+            log.warning("could not release lease %s on %s: %s", lease_id, decode_url,
                         reply.get("error"))
 
     def _spawn(self, coro: Any) -> None:

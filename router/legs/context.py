@@ -11,7 +11,10 @@ from typing import Any
 import httpx
 
 from ..conversations.front import Conversations
+from ..conversations.turn_policy import LocalBudget, PolicyConfig
 from ..errors import RouterError
+from ..fleet.engine_limits import LimitsWatch
+from ..fleet.kv_index import PrefixIndex
 from ..fleet.upstreams import Upstream, UpstreamPool
 from ..metrics import RouterMetrics
 from ..settings import RouterSettings
@@ -40,11 +43,11 @@ class FlowContext:
     metrics: RouterMetrics
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     conversations: Conversations | None = None
-    turn_policy: Any = None  # d_local.policy_of: (PolicyConfig, LocalBudget), made on first use
-    kv_index: Any = None  # kv_index.PrefixIndex of the prefill engines, with KV events
+    turn_policy: tuple[PolicyConfig, LocalBudget] | None = None  # d_local.policy_of, made on first use
+    kv_index: PrefixIndex | None = None  # of the prefill engines, with KV events
     streams: StreamClient | None = None  # decode legs (aiohttp); None: through `client`
     secret: bytes | None = None  # the deployment secret: signs messages to the engines
-    limits: Any = None  # engine_limits.LimitsWatch: the engines' max_model_len and version
+    limits: LimitsWatch | None = None  # the engines' max_model_len and version
 
     def timeout(self, leg: str) -> httpx.Timeout:
         """Per-leg timeouts: connect is short; read bounds each wait for bytes.

@@ -4,7 +4,7 @@
 ``d_local`` turn, sends D the client's body with only a lease request in its
 kv_transfer_params: a plain local request on D, whose prefix cache hits the blocks the
 conversation's lease keeps there, so D computes only the new tokens. D's answer commits
-like any turn's (`turns.commit_hooks`): D leases this turn's blocks under a new lease,
+like any turn's (`turns.TurnCommit`): D leases this turn's blocks under a new lease,
 the entry is replaced and the previous lease released (the shared blocks stay, held by
 the new lease), so the next turn finds the whole history on D again.
 
@@ -19,14 +19,15 @@ from typing import Any
 
 from starlette.responses import Response
 
-from ..conversations.front import Turn
+from ..conversations.turn import Turn
 from ..conversations.turn_policy import Decision, LocalBudget, PolicyConfig, decide, new_tokens
 from ..errors import RouterError
 from ..wire import bodies
 from ..wire.headers import HDR_ROUTE, HDR_TRANSFER
 from .context import FlowContext
-from .decode import DecodeHooks, send_decode
-from .turns import commit_hooks
+from .decode import DecodeLeg, send_decode
+from .request import RouterRequest
+from .turns import turn_observers
 
 
 def policy_of(ctx: FlowContext) -> tuple[PolicyConfig, LocalBudget]:
@@ -63,21 +64,20 @@ def choose_route(ctx: FlowContext, turn: Turn | None, client_headers: Any,
     return d
 
 
-async def route_turn(ctx: FlowContext, endpoint: str, path: str, clean: dict[str, Any],
-                     headers: dict[str, str], stream: bool, started: float, turn: Turn | None,
-                     client_headers: Any, transfer_id: str) -> Response | None:
+async def route_turn(ctx: FlowContext, req: RouterRequest) -> Response | None:
     """D's answer for a D-local turn; None when the turn goes through P."""
-    decision = choose_route(ctx, turn, client_headers, time.monotonic())
+    turn = req.turn
+    decision = choose_route(ctx, turn, req.client_headers, time.monotonic())
     if decision.route != "d_local" or turn is None or turn.entry is None:
         return None
     d = ctx.decode.get(turn.entry.decode_url)
     if d is None:
         return None
-    body = bodies.decode_body(clean, turn.lease_request(ctx.settings.lease_ttl_s))
-    resp_headers = {HDR_ROUTE: "d_local", HDR_TRANSFER: transfer_id}
+    body = bodies.decode_body(req.body, turn.lease_request(ctx.settings.lease_ttl_s))
+    resp_headers = {HDR_ROUTE: "d_local", HDR_TRANSFER: req.transfer_id}
     try:
-        return await send_decode(ctx, endpoint, path, body, headers, stream, started,
-                                 resp_headers, d, commit_hooks(ctx, turn, d, DecodeHooks()))
+        return await send_decode(ctx, req, DecodeLeg(body, resp_headers, turn_observers(ctx, turn, d)),
+                                 d)
     except RouterError as err:
         if err.status < 500 or err.kind == "no_upstream":
             raise

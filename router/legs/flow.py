@@ -39,15 +39,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-import uuid
 from typing import Any
 
 from starlette.responses import Response
 
-from ..conversations.front import Turn
 from ..errors import BROKE, RouterError
-from ..settings import Mode
 from ..wire import bodies, validate
 from ..wire.answers import ms_str, passthrough
 from ..wire.headers import (
@@ -60,51 +56,45 @@ from ..wire.headers import (
 )
 from .context import FlowContext, forward_headers
 from .d_local import route_turn
-from .decode import DecodeHooks, choose_decode, send_decode_or_next
+from .decode import DecodeLeg, choose_decode, send_decode_or_next
 from .migrate import Migration
 from .offer_release import release_soon
-from .prefill import build_legs, prefill_with_retry
+from .prefill import Extras, build_legs, prefill_with_retry
 from .push import run_push
-from .turns import commit_hooks, reuse_report
+from .request import RouterRequest
+from .turns import reuse_report, turn_observers
 
 __all__ = ["FlowContext", "build_legs", "forward_headers", "run_request"]
 
 log = logging.getLogger(__name__)
 
 
-async def run_request(
-    ctx: FlowContext,
-    endpoint: str,
-    path: str,
-    body: dict[str, Any],
-    client_headers: Any,
-    mode: Mode,
-    started: float | None = None,
-) -> Response:
+async def run_request(ctx: FlowContext, req: RouterRequest) -> Response:
     """Serve one completions/chat request through P and D; raises RouterError on failure.
-    ``started``: when the request arrived (perf_counter; default now).
+    `req` is built once where the request enters (`api.app`) and passed down: its turn is
+    looked up here.
 
     A request whose D took it and dropped the connection before answering (it died) is
     served afresh by another pair, up to `max_migrations` times: no byte has reached the
     client (this raises before any response exists), and the new pair gets a new prefill
     and transfer (P's first offer may have been read and freed already, so it is never
     handed to another D). A stream that breaks later continues mid-way (`migrate.py`)."""
-    started = time.perf_counter() if started is None else started
     turn = None
     if ctx.conversations is not None and ctx.settings.reuse_available:
-        turn = await ctx.conversations.begin(body, client_headers)
+        turn = await ctx.conversations.begin(req.body, req.client_headers)
         if turn is not None and turn.entry is not None and not ctx.decode.member(
                 turn.entry.decode_url):
             # Its D left the pool: its KV is gone, P must not try to read it; recompute.
             ctx.metrics.stale_entries.inc()
             turn.entry = None
-    clean = bodies.sanitize(body)
+    req.turn = turn
+    req.body = bodies.sanitize(req.body)
+    req.stream = bodies.wants_stream(req.body)
     broken: set[str] = set()
     left = ctx.settings.max_migrations
     while True:
         try:
-            return await _serve(ctx, endpoint, path, clean, client_headers, mode, started,
-                                turn, frozenset(broken))
+            return await _serve(ctx, req.next_pass(frozenset(broken)))
         except RouterError as err:
             if (err.leg != "decode" or err.kind != BROKE or err.upstream is None or left == 0
                     or ctx.decode.healthy_count(broken | {err.upstream}) == 0):
@@ -117,34 +107,20 @@ async def run_request(
             log.warning("%s before answering; the request goes to another pair", err.message)
 
 
-async def _serve(
-    ctx: FlowContext,
-    endpoint: str,
-    path: str,
-    clean: dict[str, Any],
-    client_headers: Any,
-    mode: Mode,
-    started: float,
-    turn: Turn | None,
-    broken: frozenset[str],
-) -> Response:
-    """One pass through a pair, on no D in `broken`."""
-    transfer_id = uuid.uuid4().hex
-    stream = bodies.wants_stream(clean)
-    headers = forward_headers(client_headers, transfer_id)
-    migration = Migration(ctx, endpoint, path, clean, headers, turn) if stream else None
-    local = await route_turn(ctx, endpoint, path, clean, headers, stream, started, turn,
-                             client_headers, transfer_id)  # a short turn: its D, no P
+async def _serve(ctx: FlowContext, req: RouterRequest) -> Response:
+    """One pass through a pair, on no D in `req.broken`."""
+    turn, transfer_id = req.turn, req.transfer_id
+    migration = Migration(ctx, req) if req.stream else None
+    local = await route_turn(ctx, req)  # a short turn: its D, no P
     if local is not None:
         return local
-    if mode == "push":
-        return await run_push(ctx, endpoint, path, clean, transfer_id, headers, stream,
-                              started, turn, migration=migration, decode_exclude=broken,
-                              first_from_p=client_headers.get(HDR_FIRST_TOKEN) != "decode")
+    if req.mode == "push":
+        return await run_push(ctx, req, migration,
+                              first_from_p=req.client_headers.get(HDR_FIRST_TOKEN) != "decode")
 
-    legs = build_legs(mode, endpoint, clean, transfer_id,
-                      p_extra=turn.prefill_params() if turn else None)
-    p, p_resp, p_secs = await prefill_with_retry(ctx, path, legs.prefill_body, headers)
+    legs = build_legs("pull", req.endpoint, req.body, transfer_id,
+                      extra=Extras(p=turn.prefill_params() if turn else None))
+    p, p_resp, p_secs = await prefill_with_retry(ctx, req.path, legs.prefill_body, req.headers)
     resp_headers = {HDR_PREFILL: p.url, HDR_TRANSFER: transfer_id,
                     HDR_PREFILL_MS: ms_str(p_secs)}
     if p_resp.status_code != 200:
@@ -166,17 +142,16 @@ async def _serve(
         if reused is not None:
             resp_headers[HDR_REUSED], resp_headers[HDR_REUSE_REASON] = str(reused[0]), reused[1]
     offer = kv_params
-    if (why := _too_long(ctx, endpoint, clean, p_json)) is not None:
+    if (why := _too_long(ctx, req.endpoint, req.body, p_json)) is not None:
         release_soon(ctx, offer)  # D would refuse it: P's blocks go now
         raise RouterError(400, why, "invalid_request_error", "router", "invalid_request")
     if turn is not None:
         kv_params = {**(kv_params or {}), **turn.lease_request(ctx.settings.lease_ttl_s)}
-    d_body = bodies.decode_body(clean, kv_params)
-    d = choose_decode(ctx, turn, broken)
+    d_body = bodies.decode_body(req.body, kv_params)
+    d = choose_decode(ctx, turn, req.broken)
     try:
-        resp = await send_decode_or_next(
-            ctx, endpoint, path, d_body, headers, stream, started, resp_headers, d,
-            lambda up: commit_hooks(ctx, turn, up, DecodeHooks(migration=migration)), "pull")
+        resp = await send_decode_or_next(ctx, req, d, lambda up: DecodeLeg(
+            d_body, resp_headers, turn_observers(ctx, turn, up), migration))
     except BaseException:
         release_soon(ctx, offer)  # D failed (or the client left): no D will read the offer
         raise

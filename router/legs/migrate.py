@@ -28,11 +28,11 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from ..conversations.front import Turn
 from ..errors import RouterError, from_transport
 from ..fleet.upstreams import Upstream
 from ..wire import bodies
@@ -42,6 +42,7 @@ from ..wire.stream_client import LegResponse, open_leg
 from .context import FlowContext, json_headers, passive, wire_failed
 from .offer_release import release_soon
 from .prefill import build_legs, prefill_with_retry
+from .request import RouterRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +50,23 @@ log = logging.getLogger(__name__)
 class Migration:
     """One client stream's continuation policy (see the module docstring)."""
 
-    def __init__(self, ctx: FlowContext, endpoint: str, path: str, clean: dict[str, Any],
-                 headers: dict[str, str], turn: Turn | None = None) -> None:
+    def __init__(self, ctx: FlowContext, req: RouterRequest) -> None:
         self.ctx = ctx
-        self.endpoint = endpoint
-        self.path = path
-        self.clean = clean
-        self.headers = headers
-        self.turn = turn
-        self.why_not = (unsupported(endpoint, clean) if ctx.settings.max_migrations
+        self.endpoint = req.endpoint
+        self.path = req.path
+        self.clean = req.body
+        self.headers = req.headers
+        self.turn = req.turn
+        self.why_not = (unsupported(req.endpoint, req.body) if ctx.settings.max_migrations
                         else "migration off")
-        self.progress = Progress(endpoint, want_ids=bool(clean.get("return_token_ids")))
+        self.progress = Progress(req.endpoint, want_ids=bool(req.body.get("return_token_ids")))
         self.left = ctx.settings.max_migrations
         self.failed: set[str] = set()
         self.rewriter: EventRewriter | None = None  # the current leg's
-        self.on_stream_params: Any = None
-        self.on_stream_done: Any = None
-        self.on_moved: Any = None
+        # The leg's observers (`observer.Observers`), told of every leg the stream moves to.
+        self.on_stream_params: Callable[[dict[str, Any]], None] | None = None
+        self.on_stream_done: Callable[[], None] | None = None
+        self.on_moved: Callable[[Upstream], None] | None = None
 
     def decode_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """D's leg: asked for token ids when the stream can be continued."""

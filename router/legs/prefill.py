@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -68,22 +68,31 @@ class Legs:
     decode_body: dict[str, Any] | None
 
 
+class Extras(NamedTuple):
+    """What joins the legs' kv_transfer_params: for P (conversation reuse: D's lease
+    offer) and for D (a lease request; pull adds its own after P answered)."""
+
+    p: dict[str, Any] | None = None
+    d: dict[str, Any] | None = None
+
+
+NO_EXTRAS = Extras()
+
+
 def build_legs(
     mode: Mode,
     endpoint: str,
     clean: dict[str, Any],
     transfer_id: str,
     prefill_kv: tuple[str, int] | None = None,
-    p_extra: dict[str, Any] | None = None,
-    d_extra: dict[str, Any] | None = None,
+    extra: Extras = NO_EXTRAS,
 ) -> Legs:
     """Build the leg bodies for `mode` from a sanitised client body.
 
     Push needs `prefill_kv`, the (host, port) of the chosen P's kvferry side channel: D
     registers its blocks there and the connectors match the two sides by transfer_id.
-    `p_extra` / `d_extra` join the legs' kv_transfer_params (conversation reuse: D's
-    lease offer for P, a lease request for D; pull adds `d_extra` after P answered).
     """
+    p_extra, d_extra = extra
     if mode == "pull":
         p_params = {**bodies.pull_prefill_params(transfer_id), **(p_extra or {})}
         return Legs(mode, transfer_id, bodies.prefill_body(clean, endpoint, p_params), None)

@@ -24,7 +24,6 @@ from starlette.responses import Response
 from kvferry.connectors.protocol import timeline
 
 from ..conversations.caller import is_operator
-from ..conversations.front import Turn
 from ..errors import RouterError, never_sent
 from ..fleet.upstreams import Upstream
 from ..wire import bodies
@@ -43,17 +42,20 @@ from ..wire.headers import (
 from ..wire.sse import InsertBeforeDone, UpstreamStream
 from . import first_token
 from .context import TIMELINE, FlowContext
-from .decode import DecodeHooks, choose_decode, send_decode_or_next
+from .decode import DecodeLeg, choose_decode, send_decode_or_next
 from .migrate import Migration
+from .observer import DecodeObserver
 from .offer_release import abort_push_soon
-from .prefill import build_legs, choose_prefill, post_prefill, retry_target
-from .turns import commit_hooks, reuse_report
+from .prefill import Extras, build_legs, choose_prefill, post_prefill, retry_target
+from .request import RouterRequest
+from .turns import reuse_report, turn_observers
 
 log = logging.getLogger(__name__)
 
 @dataclass
-class PushPrefill:
-    """The background P leg of one push request."""
+class PushPrefill(DecodeObserver):
+    """The background P leg of one push request; it follows D's leg (`observer`): its
+    report joins D's answer, and D's leg ending badly cancels it."""
 
     task: asyncio.Task[None] | None = None
     ms: float | None = None
@@ -67,7 +69,14 @@ class PushPrefill:
     operator: bool = False
     """The caller may see P's time (router/api/auth.py)."""
 
-    async def answered(self) -> Any:
+    def __post_init__(self) -> None:
+        self.chunk_filter = InsertBeforeDone(self.sse_report)
+
+    def ended(self, clean: bool) -> None:
+        if not clean:
+            self.cancel()  # the client left or D broke: P's leg goes too
+
+    async def p_answer(self) -> Any:
         """P's answer once its leg ended (None: it failed or carried none)."""
         if self.task is not None:
             await asyncio.wait({self.task})  # never raises for it
@@ -111,18 +120,10 @@ class PushPrefill:
 
 async def run_push(
     ctx: FlowContext,
-    endpoint: str,
-    path: str,
-    clean: dict[str, Any],
-    transfer_id: str,
-    headers: dict[str, str],
-    stream: bool,
-    started: float,
-    turn: Turn | None = None,
-    exclude: frozenset[str] = frozenset(),
+    req: RouterRequest,
     migration: Migration | None = None,
     prefill: Upstream | None = None,
-    decode_exclude: frozenset[str] = frozenset(),
+    exclude: frozenset[str] = frozenset(),
     first_from_p: bool = True,
 ) -> Response:
     """Push: choose D, then P (`prefill` when a retry already chose it); send both legs
@@ -137,19 +138,21 @@ async def run_push(
     (`send_decode_or_next`). A D leg that fails otherwise, or a client that disconnects,
     cancels the P leg.
     """
-    d = choose_decode(ctx, turn, decode_exclude)
-    p = prefill or choose_prefill(ctx, clean, exclude)
+    turn, endpoint, transfer_id = req.turn, req.endpoint, req.transfer_id
+    d = choose_decode(ctx, turn, req.broken)
+    p = prefill or choose_prefill(ctx, req.body, exclude)
     prefill_kv = ctx.settings.prefill_kv_addr(p.url)
     if prefill_kv is None:
         raise RouterError(400, f"push needs --prefill-kv for {p.url}", "invalid_request_error",
                           "router", "no_prefill_kv")
     d_extra = {**ctx.settings.push_identity(p.url, transfer_id),
                **(turn.lease_request(ctx.settings.lease_ttl_s) if turn else {})}
-    legs = build_legs("push", endpoint, clean, transfer_id, prefill_kv,
-                      p_extra=turn.prefill_params() if turn else None, d_extra=d_extra)
+    legs = build_legs("push", endpoint, req.body, transfer_id, prefill_kv,
+                      Extras(p=turn.prefill_params() if turn else None, d=d_extra))
     assert legs.decode_body is not None
-    first = "not asked" if not (stream and migration and first_from_p) else \
-        first_token.why_not(endpoint, clean, migration.why_not, ctx.settings)
+    d_body = legs.decode_body
+    first = "not asked" if not (req.stream and migration and first_from_p) else \
+        first_token.why_not(endpoint, req.body, migration.why_not, ctx.settings)
     if first is None:  # P's token 1 goes first
         legs.prefill_body["return_token_ids"] = True
     leg = PushPrefill(wait_s=ctx.settings.push_report_wait_s, operator=is_operator())
@@ -162,7 +165,7 @@ async def run_push(
 
     async def prefill_leg() -> None:
         try:
-            resp, secs = await post_prefill(ctx, p, path, legs.prefill_body, headers)
+            resp, secs = await post_prefill(ctx, p, req.path, legs.prefill_body, req.headers)
         except RouterError as err:
             ctx.metrics.errors.labels(endpoint=endpoint, leg=err.leg, kind=err.kind).inc()
             failed(err.kind, err.message)
@@ -184,7 +187,7 @@ async def run_push(
 
     if timeline.ENABLED:  # the request's arrival, on the wall clock the marks use
         timeline.mark(TIMELINE, transfer_id, "router_in",
-                      time.time() - (time.perf_counter() - started))
+                      time.time() - (time.perf_counter() - req.started))
     timeline.mark(TIMELINE, transfer_id, "dispatched")
     leg.task = asyncio.create_task(prefill_leg())
     ctx.background.add(leg.task)
@@ -200,23 +203,19 @@ async def run_push(
         def sent() -> None:
             timeline.mark(TIMELINE, transfer_id, "p_token_out")
             ctx.metrics.ttft.labels(endpoint=endpoint, stream="true").observe(
-                time.perf_counter() - started)
+                time.perf_counter() - req.started)
 
         return first_token.Head(
-            endpoint, leg.answered, lambda t: migration.splice(t.token_id, t.text),
+            endpoint, leg.p_answer, lambda t: migration.splice(t.token_id, t.text),
             lambda result: ctx.metrics.first_token.labels(result=result).inc(), sent)
 
-    def hooks_for(dd: Upstream) -> DecodeHooks:
-        return commit_hooks(ctx, turn, dd, DecodeHooks(
-            json_headers=leg.json_headers, before_json=leg.settle, before_done=leg.settle,
-            chunk_filter=InsertBeforeDone(leg.sse_report),
-            on_abort=leg.cancel, migration=migration, head=head()))
+    def leg_for(dd: Upstream) -> DecodeLeg:
+        return DecodeLeg(d_body, resp_headers,
+                         [*turn_observers(ctx, turn, dd), leg], migration, head())
 
     # A D that refuses the connection never saw the leg: another D may register with P
     # for the same transfer (D's body names P and the transfer, no D).
-    d_leg = asyncio.create_task(send_decode_or_next(
-        ctx, endpoint, path, legs.decode_body, headers, stream, started, resp_headers, d,
-        hooks_for, "push"))
+    d_leg = asyncio.create_task(send_decode_or_next(ctx, req, d, leg_for))
     try:
         await asyncio.wait({d_leg, p_failed}, return_when=asyncio.FIRST_COMPLETED)
         if not d_leg.done() and (not exclude or never_sent(p_failed.result())):
@@ -224,11 +223,9 @@ async def run_push(
             if other is not None:  # D has answered nothing: start over with another P
                 d_leg.cancel()
                 await asyncio.gather(d_leg, return_exceptions=True)
-                retry_id = uuid.uuid4().hex  # a fresh transfer: D's old one is cancelled
-                return await run_push(ctx, endpoint, path, clean, retry_id,
-                                      {**headers, "x-request-id": retry_id}, stream, started,
-                                      turn, exclude | {p.url}, migration, other,
-                                      decode_exclude, first_from_p)
+                retry = req.with_transfer(uuid.uuid4().hex)  # D's old transfer is cancelled
+                return await run_push(ctx, retry, migration, other, exclude | {p.url},
+                                      first_from_p)
         resp = await d_leg
     except BaseException:
         d_leg.cancel()
