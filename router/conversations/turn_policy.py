@@ -95,10 +95,24 @@ def new_tokens(view: PromptView, history: Mapping[str, Any] | None, leased_token
     return math.ceil(d.chars * per_char) + d.messages * MESSAGE_OVERHEAD_TOKENS + tail
 
 
-def decide(cfg: PolicyConfig, *, has_entry: bool, sticky: bool, new: int | None,
-           d_in_flight: int, budget_ok: bool, forced_prefill: bool = False) -> Decision:
-    """The route of one turn. `sticky`: the D the router would decode on is the one
-    holding the conversation's KV; `budget_ok`: D's token bucket covers `new`."""
+@dataclass(frozen=True)
+class Facts:
+    """What the policy weighs for one turn. `sticky`: the D the router would decode on is
+    the one holding the conversation's KV; `new`: the turn's new tokens (None: the history
+    changed); `budget_ok`: D's token bucket covers `new`."""
+
+    has_entry: bool
+    sticky: bool
+    new: int | None
+    d_in_flight: int
+    budget_ok: bool
+    forced_prefill: bool = False
+
+
+def decide(cfg: PolicyConfig, facts: Facts) -> Decision:
+    """The route of one turn: the first rule `facts` fail names the reason."""
+    has_entry, sticky, new = facts.has_entry, facts.sticky, facts.new
+    d_in_flight, budget_ok, forced_prefill = facts.d_in_flight, facts.budget_ok, facts.forced_prefill
     if not has_entry:
         return Decision("p_cold", "no_history", new)
     if forced_prefill:

@@ -20,7 +20,14 @@ from typing import Any
 from starlette.responses import Response
 
 from ..conversations.turn import Turn
-from ..conversations.turn_policy import Decision, LocalBudget, PolicyConfig, decide, new_tokens
+from ..conversations.turn_policy import (
+    Decision,
+    Facts,
+    LocalBudget,
+    PolicyConfig,
+    decide,
+    new_tokens,
+)
 from ..errors import RouterError
 from ..wire import bodies
 from ..wire.headers import HDR_ROUTE, HDR_TRANSFER
@@ -54,9 +61,9 @@ def choose_route(ctx: FlowContext, turn: Turn | None, client_headers: Any,
         n = (new_tokens(turn.view, entry.history, entry.num_tokens, entry.kv_transfer_params,
                         cfg.chars_per_token) if turn.view is not None else None)
         forced = str(client_headers.get(HDR_ROUTE, "")).strip().lower() == "prefill"
-        d = decide(cfg, has_entry=True, sticky=sticky, new=n, d_in_flight=d_up.in_flight,
-                   budget_ok=n is not None and budget.allows(d_up.url, n, now),
-                   forced_prefill=forced)
+        d = decide(cfg, Facts(has_entry=True, sticky=sticky, new=n, d_in_flight=d_up.in_flight,
+                              budget_ok=n is not None and budget.allows(d_up.url, n, now),
+                              forced_prefill=forced))
         if d.route == "d_local" and n is not None:
             budget.take(d_up.url, n, now)
             ctx.metrics.d_local_tokens.inc(n)

@@ -21,7 +21,7 @@ from ..fleet.upstreams import Upstream
 from ..wire import bodies
 from ..wire.answers import finish_json, kv_params_of
 from ..wire.headers import HDR_DECODE, HDR_TRANSFER
-from ..wire.sse import EngineFieldFilter, Leg, UpstreamStream
+from ..wire.sse import EngineFieldFilter, Leg, StreamEvents, UpstreamStream
 from ..wire.stream_client import LegResponse, open_leg
 from .context import TIMELINE, FlowContext, json_headers, passive, wire_failed
 from .first_token import Head
@@ -179,12 +179,9 @@ def _stream(
         first,
         leg="decode",
         headers=resp_headers,
-        on_first_chunk=first_chunk,
-        on_error=on_error,
-        on_abort=obs.ended(False),
-        chunk_filter=obs.chunk_filter(),
-        on_success=obs.ended(True),
+        events=StreamEvents(first_chunk, on_error, abort=obs.ended(False),
+                            success=obs.ended(True), before_done=obs.settle(),
+                            rewrite=obs.chunk_filter()),
         resume=mig.resume if mig is not None else None,
-        before_done=obs.settle(),
         head=head,
     )

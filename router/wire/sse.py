@@ -212,16 +212,30 @@ Resume = Callable[[str, RouterError], Awaitable["Leg | bytes | RouterError"]]
 or the error to end the stream with."""
 
 
+@dataclass
+class StreamEvents:
+    """What an `UpstreamStream` calls as the client's stream goes, and how it rewrites
+    the client's bytes; built once per stream (the decode leg, from its observers). None:
+    nothing to call, and nothing is checked per chunk for it.
+
+    `first_chunk` is called once; `abort` (before the last close) when the stream did not
+    end cleanly: the client went away, or a leg broke and no other took over; `success`
+    when it did end cleanly. `rewrite` rewrites the client's bytes across legs;
+    `before_done` is awaited once, before the upstream's `[DONE]` goes on (push: P's
+    report, which the rewrite inserts there, may still be on its way)."""
+
+    first_chunk: Callable[[], None]
+    error: Callable[[RouterError], None] | None = None
+    abort: Callable[[], None] | None = None
+    success: Callable[[], None] | None = None
+    before_done: Callable[[], Awaitable[None]] | None = None
+    rewrite: ChunkFilter | None = None
+
+
 class UpstreamStream(Response):
     """Streams an upstream's body to the client, leg after leg when `resume` continues a
-    broken one elsewhere; each leg is closed (its `on_close` called) exactly once.
-
-    `on_first_chunk` is called once; `on_abort` (before the last close) when the stream
-    did not end cleanly: the client went away, or a leg broke and no other took over;
-    `on_success` when it did end cleanly. `chunk_filter` rewrites the client's bytes
-    across legs; `before_done` is awaited once, before the upstream's `[DONE]` goes on
-    (push: P's report, which the filter inserts there, may still be on its way).
-    """
+    broken one elsewhere; each leg is closed (its `on_close` called) exactly once. What it
+    tells, and its rewriting: `events` (`StreamEvents`)."""
 
     def __init__(
         self,
@@ -229,13 +243,8 @@ class UpstreamStream(Response):
         *,
         leg: str,
         headers: Mapping[str, str],
-        on_first_chunk: Callable[[], None],
-        on_error: Callable[[RouterError], None] | None = None,
-        on_abort: Callable[[], None] | None = None,
-        chunk_filter: ChunkFilter | None = None,
-        on_success: Callable[[], None] | None = None,
+        events: StreamEvents,
         resume: Resume | None = None,
-        before_done: Callable[[], Awaitable[None]] | None = None,
         head: Head | None = None,
     ) -> None:
         self.current = first
@@ -245,13 +254,13 @@ class UpstreamStream(Response):
         self.background = None
         merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **dict(headers)}
         self.init_headers(merged)
-        self._on_first_chunk: Callable[[], None] | None = on_first_chunk
-        self._on_error = on_error
-        self._on_abort = on_abort
-        self._filter = chunk_filter
-        self._on_success = on_success
+        self._on_first_chunk: Callable[[], None] | None = events.first_chunk
+        self._on_error = events.error
+        self._on_abort = events.abort
+        self._filter = events.rewrite
+        self._on_success = events.success
         self._resume = resume
-        self._before_done = before_done
+        self._before_done = events.before_done
         self._tail = b""  # the last bytes of the previous upstream chunk
         self._sent_all = False
         self._head = head
@@ -355,7 +364,7 @@ class UpstreamStream(Response):
                 if self._before_done is not None:
                     if DONE in self._tail + chunk:
                         wait, self._before_done = self._before_done, None
-                        await wait()  # what `chunk_filter` adds before [DONE] may be due
+                        await wait()  # what `rewrite` adds before [DONE] may be due
                     self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
                 if self._head is None or self._relayed:
                     self._relayed = True
