@@ -6,7 +6,7 @@ kvferry.router.legs.flow), GET /v1/models (proxied from a decode engine), GET /h
 Per-request mode: header `x-kvferry-mode` or body field `kvferry_mode`, else the default.
 Push needs the prefill engines' side-channel addresses (RouterSettings.prefill_kv_addrs).
 
-Fleet (see `fleet.py`, `state.py`): conversation state in memory or Redis, engines from a
+Fleet (see `fleet.discovery`, `conversations.state`): conversation state in memory or Redis, engines from a
 file as well as the static lists, health probes that eject and re-admit engines; `serve`
 drains on SIGTERM (stops accepting, finishes in-flight streams, bounded, exits 0).
 """

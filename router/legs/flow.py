@@ -19,19 +19,19 @@ How a request flows (pull):
 4. D's answer goes back to the client (`decode.py`): SSE passed through chunk by chunk,
    or JSON; from both, engine-owned fields (D's own `kv_transfer_params`, which vLLM 0.33
    also streams on the last chunk) are removed (`bodies.ENGINE_FIELDS`,
-   `sse.EngineFieldFilter`).
+   `wire.sse.EngineFieldFilter`).
 
 Push (header `x-kvferry-mode: push` or body `kvferry_mode: "push"`): `push.py`.
 A stream whose D breaks mid-way continues on another pair (`migrate.py`).
 Conversations (`turns.py`): P is offered the previous turn's KV on D, and D's answer
 commits this turn's lease. A short turn skips P: its D serves it from its own prefix
-cache (`d_local.py`, policy in `turn_policy.py`).
+cache (`d_local.py`, policy in `conversations/turn_policy.py`).
 
 Timing for benchmarks (operator token only, router/api/auth.py): answers carry
 `x-kvferry-prefill-ms` (P leg duration). A push stream's headers leave before P is done,
-so there it travels in an SSE comment before `data: [DONE]` (`wire.report_comment`).
+so there it travels in an SSE comment before `data: [DONE]` (`wire.headers.report_comment`).
 
-A request D would refuse is refused before P works (`validate.py`); a pull D leg that
+A request D would refuse is refused before P works (`wire/validate.py`); a pull D leg that
 fails or is refused after P answered tells P to free its offer now (`offer_release.py`).
 """
 
