@@ -66,7 +66,7 @@ class Routed:
 
     def lease_state(self, lease_id: str) -> str:
         """D's word on a lease: "held", or why not (released, unknown, expired)."""
-        reply = asyncio.run(lease_control.call("127.0.0.1", self.stack.decode.control_port,
+        reply = asyncio.run(lease_control.call(("127.0.0.1", self.stack.decode.control_port),
                                                "info", lease_id,
                                                key=self.stack.secret.encode()))
         return "held" if reply.get("ok") else str(reply.get("error"))
@@ -259,7 +259,7 @@ def test_released_conversations_leave_no_block_held(routed: Routed):
     for (tenant, key) in conv.registry.held():
         if key.startswith(CONTENT_KEY_PREFIX):
             entry = conv.registry.drop(tenant, key)
-            asyncio.run(lease_control.call("127.0.0.1", routed.stack.decode.control_port,
+            asyncio.run(lease_control.call(("127.0.0.1", routed.stack.decode.control_port),
                                            "release", entry.lease_id,
                                            key=routed.stack.secret.encode()))
     wait_until(lambda: routed.stack.decode.kv_usage() == 0, 30, "D to free every leased block")

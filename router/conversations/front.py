@@ -167,7 +167,7 @@ class Conversations:
         addr = self.settings.decode_control_addr(decode_url)
         if addr is None:
             return
-        reply = await lease_control.call(*addr, "info", turn.lease_id,
+        reply = await lease_control.call(addr, "info", turn.lease_id,
                                          timeout_s=self.settings.connect_timeout_s, key=self._secret)
         if reply.get("ok"):
             entry = self._entry_of(turn, decode_url, reply.get("offer"))
@@ -201,7 +201,7 @@ class Conversations:
         addr = self.settings.decode_control_addr(entry.decode_url)
         if addr is None:
             return None
-        reply = await lease_control.call(*addr, "renew", entry.lease_id, ttl,
+        reply = await lease_control.call(addr, "renew", entry.lease_id, ttl,
                                          timeout_s=self.settings.connect_timeout_s, key=self._secret)
         if not reply.get("ok"):
             if reply.get("error") in GONE:
@@ -244,7 +244,7 @@ class Conversations:
         addr = self.settings.decode_control_addr(decode_url)
         if addr is None:
             return
-        reply = await lease_control.call(*addr, "release", lease_id,
+        reply = await lease_control.call(addr, "release", lease_id,
                                          timeout_s=self.settings.connect_timeout_s, key=self._secret)
         if not reply.get("ok") and reply.get("error") not in GONE:
             log.warning("could not release lease %s on %s: %s", lease_id, decode_url,

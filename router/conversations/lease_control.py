@@ -18,10 +18,11 @@ fault_hook: Callable[[], Awaitable[bool]] | None = None
 before each call, True loses the call (the fault plan's ``lease_call`` point)."""
 
 
-async def call(host: str, port: int, op: str, lease_id: str, ttl: float | None = None,
+async def call(addr: tuple[str, int], op: str, lease_id: str, ttl: float | None = None,
                timeout_s: float = 2.0, key: bytes | None = None) -> dict[str, Any]:
-    """One request; ``{"ok": False, "error": "unreachable..."}`` when D does not answer
-    within ``timeout_s``."""
+    """One request to D's channel at ``addr`` (host, port); ``{"ok": False, "error":
+    "unreachable..."}`` when D does not answer within ``timeout_s``."""
+    host, port = addr
     if fault_hook is not None and await fault_hook():
         return wire.unreachable()
     sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
