@@ -18,7 +18,7 @@ export PYTHONPATH=/tmp/kvpkg:$PYTHONPATH:/tmp/site
 mkdir -p /tmp/kvpkg/bin && printf '#!/bin/sh\nexec python3 -m kvferry.scripts.cli "$@"\n' > /tmp/kvpkg/bin/kvferry
 chmod +x /tmp/kvpkg/bin/kvferry && export PATH=/tmp/kvpkg/bin:$PATH
 export KVFERRY_COMMIT=${KVFERRY_COMMIT:-unknown} PYTHONUNBUFFERED=1
-python3 -c "import aiohttp, uvloop, psutil, kvferry.router.app; print('imports ok', aiohttp.__version__)" || exit 7
+python3 -c "import aiohttp, uvloop, psutil, kvferry.router.api.app; print('imports ok', aiohttp.__version__)" || exit 7
 M=/tmp/m06; [ -d $M ] || python3 -m kvferry.scripts.cli model --shape qwen3-0.6b $M >/dev/null || exit 6
 DUR=${DUR:-30}
 OUTF=$OUT/router_dataplane-h200x1-$(date +%Y%m%d).jsonl

@@ -13,7 +13,12 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 
 
 
 class RouterMetrics:
-    """Counters, gauges and histograms exported on /metrics."""
+    """Counters, gauges and histograms exported on /metrics.
+
+    Each metric is declared in full (name, help, labels, registry), one after the other,
+    although the declarations repeat a shape (the `duplicates` tool lists them): one
+    greppable declaration per exported name is what an operator reading /metrics needs,
+    and a table-driven loop would hide the attribute each caller uses."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -206,7 +211,7 @@ class RouterMetrics:
         )
         self.first_token = Counter(
             "kvferry_router_first_token",
-            "Push streams offered P's first token (router/first_token.py), by outcome: sent "
+            "Push streams offered P's first token (router/legs/first_token.py), by outcome: sent "
             "(P's token reached the client before D's first event), spliced (D's token 1 "
             "matched it and was dropped), mismatch (it did not: the stream went on from "
             "prompt + P's token elsewhere), d_first (D's first event came first: D's stream "

@@ -88,7 +88,7 @@ class RouterSettings(BaseModel):
     )
     max_connections: int = Field(1024, gt=0, description="httpx pool size shared by all upstreams.")
     max_active: int = Field(512, gt=0, description="Completions one router process serves at "
-                            "once (a stream until its end); more wait (router/admission.py).")
+                            "once (a stream until its end); more wait (router/api/admission.py).")
     max_queued: int = Field(1024, ge=0, description="Requests that may wait for admission; "
                             "beyond, 429 with Retry-After.")
     queue_timeout_s: float = Field(10.0, gt=0, description="Longest wait for admission; then "
@@ -128,7 +128,7 @@ class RouterSettings(BaseModel):
     first_token_from_prefill: bool = Field(True, description="Push, greedy streams: send "
                                            "the client P's first token as soon as P answers, "
                                            "then D's stream without its own token 1 "
-                                           "(router/first_token.py).")
+                                           "(router/legs/first_token.py).")
     first_token_chat: bool = Field(False, description="Also for chat streams (without tools). "
                                    "Only where the engines run no reasoning parser, which could "
                                    "render token 1 differently in P's whole answer and in D's "
@@ -171,7 +171,9 @@ class RouterSettings(BaseModel):
     @field_validator("prefill_kv_addrs", "decode_control_addrs")
     @classmethod
     def _split_addrs(cls, addrs: list[str]) -> list[str]:
-        """Accept comma-separated `host:port` entries; check each one parses."""
+        """Accept comma-separated `host:port` entries; check each one parses. (The same
+        loop as `_normalise`, kept apart on purpose: a URL is rewritten and an entry of
+        only slashes dropped, an address is kept as given once it parses.)"""
         out: list[str] = []
         for entry in addrs:
             for addr in entry.split(","):
@@ -223,11 +225,14 @@ class RouterSettings(BaseModel):
         """Engines found by discovery (url -> addresses); the static lists take precedence."""
         self._discovered = dict(engines)
 
+    def _any_discovered(self, role: str, field: str) -> bool:
+        """Whether a discovered engine of `role` has an address `field`."""
+        return any(getattr(e, field) for e in self._discovered.values() if e.role == role)
+
     @property
     def push_available(self) -> bool:
         """True when push requests can be served (every P has a side-channel address)."""
-        return bool(self.prefill_kv_addrs) or any(
-            e.kv_addr for e in self._discovered.values() if e.role == "prefill")
+        return bool(self.prefill_kv_addrs) or self._any_discovered("prefill", "kv_addr")
 
     def prefill_kv_addr(self, prefill_url: str) -> tuple[str, int] | None:
         """(host, port) of the side channel of the P at `prefill_url`, if configured."""
@@ -256,10 +261,12 @@ class RouterSettings(BaseModel):
     @property
     def reuse_available(self) -> bool:
         """True when conversations get D-side leases (every D has a control address)."""
-        return bool(self.decode_control_addrs) or any(
-            e.control_addr for e in self._discovered.values() if e.role == "decode")
+        return bool(self.decode_control_addrs) or self._any_discovered("decode", "control_addr")
 
     def decode_control_addr(self, decode_url: str) -> tuple[str, int] | None:
+        """(host, port) of D's lease-control channel, if known. Like `prefill_kv_addr` but
+        not one helper with it on purpose: a P listed without a side channel has none (it
+        is not looked up in discovery), a D listed without a control address is."""
         try:
             return parse_addr(self.decode_control_addrs[self.decode_urls.index(decode_url)])
         except (ValueError, IndexError):

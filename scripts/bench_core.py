@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from kvferry.router.wire import (
+from kvferry.router.wire.headers import (
     BODY_PREFILL_MS,
     HDR_PREFILL_MS,
     OPERATOR_TOKEN_ENV,

@@ -34,7 +34,7 @@ from typing import Annotated, Any
 import httpx
 import typer
 
-from kvferry.router.wire import OPERATOR_TOKEN_ENV
+from kvferry.router.wire.headers import OPERATOR_TOKEN_ENV
 
 from .chaos_faults import Injector, Plan, hook_events, schedule
 from .chaos_stack import ChaosStack, settle_bound_s

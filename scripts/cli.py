@@ -53,7 +53,7 @@ def wire_router_faults() -> None:
     from kvferry.connectors.transfer import faults
 
     if faults.ACTIVE:
-        from kvferry.router import lease_control
+        from kvferry.router.conversations import lease_control
 
         lease_control.fault_hook = functools.partial(faults.lost_async, "lease_call")
 
@@ -157,7 +157,7 @@ def router(
     log_level: str = "info",
 ) -> None:
     """Run the OpenAI-compatible router in front of prefill and decode engines."""
-    from kvferry.router import workers as router_workers
+    from kvferry.router.api import workers as router_workers
     from kvferry.router.settings import RouterSettings
 
     wire_router_faults()

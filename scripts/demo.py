@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from kvferry.router.wire import (
+from kvferry.router.wire.headers import (
     HDR_DECODE,
     HDR_PREFILL,
     HDR_ROUTE,

@@ -35,7 +35,7 @@ import shlex
 from typing import Any
 
 from kvferry.connectors.protocol.params import SECRET_ENV
-from kvferry.router.wire import OPERATOR_TOKEN_ENV
+from kvferry.router.wire.headers import OPERATOR_TOKEN_ENV
 
 from .engines import ROLES
 from .instances import INSTANCES

@@ -19,7 +19,7 @@ from types import FrameType
 import typer
 
 from kvferry.connectors.protocol.params import SECRET_ENV, deployment_secret
-from kvferry.router.wire import OPERATOR_TOKEN_ENV
+from kvferry.router.wire.headers import OPERATOR_TOKEN_ENV
 
 from .cpu_pin import restore_worker_binding
 from .demo import run_demo

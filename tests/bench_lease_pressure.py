@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers_http import serve  # noqa: E402
 from stack import pd_stack  # noqa: E402
 
-from kvferry.router.app import create_app  # noqa: E402
+from kvferry.router.api.app import create_app  # noqa: E402
 from kvferry.router.settings import RouterSettings  # noqa: E402
 from kvferry.scripts.modelgen import write_model  # noqa: E402
 

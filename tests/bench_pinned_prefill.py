@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stack import pd_stack  # noqa: E402
 
-from kvferry.router import flow, offer_release  # noqa: E402
+from kvferry.router.legs import flow, offer_release  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402
 
 VOCAB = SHAPES["tiny"].vocab_size

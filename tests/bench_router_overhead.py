@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers_http import FakeEngine, free_port, serve  # noqa: E402
 
-from kvferry.router.app import create_app  # noqa: E402
+from kvferry.router.api.app import create_app  # noqa: E402
 from kvferry.router.settings import RouterSettings  # noqa: E402
 from kvferry.scripts.bench import git_commit  # noqa: E402
 

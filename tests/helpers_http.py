@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvferry.connectors.protocol.lease import LeaseError
-from kvferry.router.wire import OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_HEADER
+from kvferry.router.wire.headers import OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_HEADER
 from kvferry.scripts import procs
 
 _GIVEN: set[int] = set()

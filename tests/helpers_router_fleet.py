@@ -18,7 +18,7 @@ from helpers_fleet import AUTH, KEY, P_PARAMS, LeasingD
 from helpers_http import OPERATOR, FakeEngine, serve
 
 from kvferry.connectors.protocol.params import SECRET_ENV
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 
 

@@ -25,9 +25,9 @@ from helpers_http import free_port, serve
 from kvferry.connectors.config import ConnectorConfig
 from kvferry.connectors.transfer.handshake import HandshakeError, fetch_engine_stats
 from kvferry.connectors.transfer.stats import Snapshot
-from kvferry.router.app import create_app
-from kvferry.router.bodies import ENGINE_FIELDS
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
+from kvferry.router.wire.bodies import ENGINE_FIELDS
 from kvferry.scripts.cpu_pin import restore_worker_binding
 from kvferry.scripts.engines import EngineSpec, engine_argv, engine_env, vllm_engine_id
 from kvferry.scripts.procs import Child, stop_all, wait_healthy

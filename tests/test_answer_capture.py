@@ -1,11 +1,11 @@
-"""router/answer_capture.py: the answer the client got, from JSON and from SSE (pure)."""
+"""router/conversations/answer_capture.py: the answer the client got, from JSON and from SSE (pure)."""
 
 from __future__ import annotations
 
 import json
 
-from kvferry.router.answer_capture import AnswerCapture, answer_of_json
-from kvferry.router.history import Answer
+from kvferry.router.conversations.answer_capture import AnswerCapture, answer_of_json
+from kvferry.router.conversations.history import Answer
 
 
 def sse(*events: dict | str) -> bytes:

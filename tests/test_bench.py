@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from helpers_http import FakeEngine, closed_port_url, serve
 from typer.testing import CliRunner
 
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 from kvferry.scripts import cli
 from kvferry.scripts.bench import BenchConfig, point_lines, run_bench, run_point

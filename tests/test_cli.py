@@ -220,7 +220,7 @@ def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvferry.router import app as router_app
+    from kvferry.router.api import app as router_app
 
     seen: list[RouterSettings] = []
     monkeypatch.setattr(router_app, "serve", lambda settings, **kw: seen.append(settings))
@@ -247,7 +247,7 @@ def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_router_max_migrations(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--max-migrations` (or $KVFERRY_MAX_MIGRATIONS) sets RouterSettings.max_migrations;
     the default is the settings' own; a negative count is refused."""
-    from kvferry.router import app as router_app
+    from kvferry.router.api import app as router_app
 
     seen: list[RouterSettings] = []
     monkeypatch.setattr(router_app, "serve", lambda settings, **kw: seen.append(settings))

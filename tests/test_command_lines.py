@@ -53,7 +53,7 @@ def vllm_serve_args(args: list[str]) -> argparse.Namespace:
 
 def router_settings(args: list[str], monkeypatch: pytest.MonkeyPatch) -> RouterSettings:
     """What ``kvferry router ARGS`` would serve: the real typer app, ``serve`` recorded."""
-    from kvferry.router import app as router_app
+    from kvferry.router.api import app as router_app
 
     seen: list[RouterSettings] = []
     monkeypatch.setattr(router_app, "serve", lambda settings, **kw: seen.append(settings))

@@ -1,4 +1,4 @@
-"""router/continuation.py: conversations keyed by content, against a real D-side
+"""router/conversations/continuation.py: conversations keyed by content, against a real D-side
 LeaseKeeper behind the real lease-control channel, in memory and in a real redis-server:
 forks, retirement of the continued entry, tenants, bounds."""
 
@@ -16,13 +16,12 @@ from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer.lease_control import ControlServer
-from kvferry.router import continuation
-from kvferry.router.conversations import Conversations, Turn
-from kvferry.router.decode import DecodeHooks
-from kvferry.router.history import Answer, content_key, record
+from kvferry.router.conversations.front import Conversations, Turn
+from kvferry.router.conversations.history import Answer, content_key, record
+from kvferry.router.fleet.upstreams import Upstream
+from kvferry.router.legs.turns import TurnCommit
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.settings import RouterSettings
-from kvferry.router.upstreams import Upstream
 
 KEY = b"continuation-secret"
 D_URL = "http://d"
@@ -80,7 +79,7 @@ def assistant(t: str) -> dict:
 
 
 async def answered(conv: Conversations, d: D, turn: Turn, text: str) -> None:
-    """What `continuation.track` and the commit hooks do once D answered `text`."""
+    """What the turn's commit (`legs.turns.TurnCommit`) does once D answered `text`."""
     assert turn.view is not None
     turn.history = record(turn.view, Answer(text))
     assert turn.history is not None
@@ -196,17 +195,16 @@ def test_an_unrecordable_answer_releases_the_lease_on_the_d_that_finished(d: D):
             try:
                 turn = await conv.begin(chat(SYS, U1), {})
                 assert turn is not None and turn.content
-                moved: list[str] = []
-                hooks = continuation.track(conv, turn, D_URL, DecodeHooks(
-                    on_moved=lambda up: moved.append(up.url)))
+                commit = TurnCommit(conv, turn, D_URL)
                 # The migration gives the turn a fresh lease, granted by the new D.
                 turn.lease_id = "lease-on-d1"
                 d1.keeper.grant("req-1", turn.lease_request(None)["lease"], [1, 2, 3],
                                 list(range(12)), 12)
-                hooks.on_moved(Upstream("http://d1"))
-                assert moved == ["http://d1"]  # the commit hooks' own on_moved still runs
-                hooks.chunk_filter.feed(b'data: {"error": {"message": "boom"}}\n\n'
-                                        b"data: [DONE]\n\n")
+                commit.moved(Upstream("http://d1"))
+                assert commit.at == "http://d1"  # the commit follows the stream to d1
+                assert commit.chunk_filter is not None
+                commit.chunk_filter.feed(b'data: {"error": {"message": "boom"}}\n\n'
+                                         b"data: [DONE]\n\n")
                 await until(lambda: d1.reason("lease-on-d1") == "released")
                 assert conv.metrics.registry.get_sample_value(
                     "kvferry_router_content_matches_total", {"result": "unrecorded"}) == 1

@@ -1,4 +1,4 @@
-"""Router conversations (router/conversations.py) against a real D-side LeaseKeeper served
+"""Router conversations (router/conversations/front.py) against a real D-side LeaseKeeper served
 over the lease-control channel (ZMQ on loopback), no engines."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from helpers_http import free_port, lease_reason
 from kvferry.connectors.protocol.params import SECRET_ENV, parse_lease
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer.lease_control import ControlServer
-from kvferry.router.conversations import Conversations, LeaseUnavailable, Turn
+from kvferry.router.conversations.front import Conversations, LeaseUnavailable, Turn
+from kvferry.router.conversations.registry import ANONYMOUS
 from kvferry.router.metrics import RouterMetrics
-from kvferry.router.registry import ANONYMOUS
 from kvferry.router.settings import RouterSettings
 
 KEY = b"test-secret"
@@ -291,7 +291,7 @@ def test_heartbeat_endpoint_answers_200_404_and_503(d):
     """Over HTTP: renewed (200), nothing to renew (404), D silent (503, entry kept)."""
     from fastapi.testclient import TestClient
 
-    from kvferry.router.app import create_app
+    from kvferry.router.api.app import create_app
 
     settings = RouterSettings(prefill_urls=["http://p"], decode_urls=[D_URL],
                               decode_control_addrs=[f"127.0.0.1:{d.port}"], connect_timeout_s=0.3)
@@ -313,7 +313,7 @@ def test_conversation_endpoints_show_no_engine_internals(d):
     the KV lives: no D URL, engine id, lease id, block ids, side-channel address."""
     from fastapi.testclient import TestClient
 
-    from kvferry.router.app import CLIENT_FIELDS, create_app
+    from kvferry.router.api.app import CLIENT_FIELDS, create_app
 
     settings = RouterSettings(prefill_urls=["http://p"], decode_urls=[D_URL],
                               decode_control_addrs=[f"127.0.0.1:{d.port}"])

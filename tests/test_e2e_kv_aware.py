@@ -32,7 +32,7 @@ from stack import (
     warm_up,
 )
 
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.scripts.engines import available_cpus
 from kvferry.scripts.procs import stop_all, wait_healthy
 

@@ -29,7 +29,7 @@ from stack import (
 from kvferry.connectors.detokenizer_window import DEFAULT_WINDOW
 from kvferry.connectors.detokenizer_window import METRIC as WINDOW_METRIC
 from kvferry.connectors.protocol.params import RemotePrefill, prompt_hash, sign
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 
 pytestmark = pytest.mark.engine

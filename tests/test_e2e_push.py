@@ -171,7 +171,7 @@ def test_push_through_router(stack):
 
 def test_push_stream_first_token_from_prefill(stack):
     """A greedy push stream: P's token 1 goes to the client as soon as P answers, and D's
-    own token 1, checked against it by id, is dropped (router/first_token.py): the client
+    own token 1, checked against it by id, is dropped (router/legs/first_token.py): the client
     gets P's own greedy tokens, each once."""
     def first_token(result: str) -> float:
         return metric_at(stack.router, "kvferry_router_first_token_total", result=result)

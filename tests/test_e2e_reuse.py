@@ -28,7 +28,7 @@ from stack import (
     with_router,
 )
 
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 
 pytestmark = [pytest.mark.engine, pytest.mark.shared_stack("reuse")]
@@ -177,9 +177,9 @@ def test_forged_history_changes_the_answer(stack):
              logprobs=None)
     import asyncio
 
-    from kvferry.router import lease_control
+    from kvferry.router.conversations import lease_control
 
-    got = asyncio.run(lease_control.call("127.0.0.1", stack.decode.control_port, "info", lid,
+    got = asyncio.run(lease_control.call(("127.0.0.1", stack.decode.control_port), "info", lid,
                                          key=stack.secret.encode()))
     assert got["ok"], got
     offer = parse_lease(got["offer"], stack.secret.encode())
@@ -188,7 +188,7 @@ def test_forged_history_changes_the_answer(stack):
     params = {"reuse": sign_lease(forged, stack.secret.encode())}
     wrong = complete(stack.prefill.url, stack.model, b, kv_transfer_params=params)
     assert outputs_differ(wrong, complete(stack.prefill.url, stack.model, b))
-    asyncio.run(lease_control.call("127.0.0.1", stack.decode.control_port, "release", lid,
+    asyncio.run(lease_control.call(("127.0.0.1", stack.decode.control_port), "release", lid,
                                    key=stack.secret.encode()))
 
 

@@ -34,10 +34,10 @@ from stack import (
     wait_until,
 )
 
-from kvferry.router import lease_control
-from kvferry.router.app import create_app
-from kvferry.router.history import CONTENT_KEY_PREFIX
-from kvferry.router.registry import ANONYMOUS
+from kvferry.router.api.app import create_app
+from kvferry.router.conversations import lease_control
+from kvferry.router.conversations.history import CONTENT_KEY_PREFIX
+from kvferry.router.conversations.registry import ANONYMOUS
 
 pytestmark = [pytest.mark.engine, pytest.mark.shared_stack("reuse")]
 
@@ -66,7 +66,7 @@ class Routed:
 
     def lease_state(self, lease_id: str) -> str:
         """D's word on a lease: "held", or why not (released, unknown, expired)."""
-        reply = asyncio.run(lease_control.call("127.0.0.1", self.stack.decode.control_port,
+        reply = asyncio.run(lease_control.call(("127.0.0.1", self.stack.decode.control_port),
                                                "info", lease_id,
                                                key=self.stack.secret.encode()))
         return "held" if reply.get("ok") else str(reply.get("error"))
@@ -259,7 +259,7 @@ def test_released_conversations_leave_no_block_held(routed: Routed):
     for (tenant, key) in conv.registry.held():
         if key.startswith(CONTENT_KEY_PREFIX):
             entry = conv.registry.drop(tenant, key)
-            asyncio.run(lease_control.call("127.0.0.1", routed.stack.decode.control_port,
+            asyncio.run(lease_control.call(("127.0.0.1", routed.stack.decode.control_port),
                                            "release", entry.lease_id,
                                            key=routed.stack.secret.encode()))
     wait_until(lambda: routed.stack.decode.kv_usage() == 0, 30, "D to free every leased block")

@@ -21,7 +21,7 @@ import torch
 from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.transfer import faults, lease_control
 from kvferry.connectors.transfer.transport import Transfer, Transport
-from kvferry.router import lease_control as router_lease
+from kvferry.router.conversations import lease_control as router_lease
 from kvferry.scripts import cli
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,7 +122,7 @@ def test_lease_channel_hooks(active, monkeypatch, tmp_path):
     # run); dropped before any socket is used: nothing listens on port 1.
     monkeypatch.setattr(router_lease, "fault_hook", None)
     cli.wire_router_faults()
-    got = asyncio.run(router_lease.call("127.0.0.1", 1, "info", "x", key=b"k"))
+    got = asyncio.run(router_lease.call(("127.0.0.1", 1), "info", "x", key=b"k"))
     assert got == {"ok": False, "error": "unreachable"}
     assert [e["point"] for e in events(tmp_path)][-1:] == ["lease_call"]
 

@@ -1,8 +1,8 @@
-"""router/history.py: how the router follows a chat history without a tokenizer (pure)."""
+"""router/conversations/history.py: how the router follows a chat history without a tokenizer (pure)."""
 
 from __future__ import annotations
 
-from kvferry.router.history import (
+from kvferry.router.conversations.history import (
     CONTENT_KEY_PREFIX,
     Answer,
     Delta,

@@ -232,7 +232,7 @@ def test_router_image_needs_neither_vllm_nor_torch() -> None:
     external = {m.split(".")[0] for m in seen if not m.startswith("kvferry")}
     everything = {dst for dsts in edges.values() for dst, _ in dsts}
     assert "torch" in everything and "vllm" in everything  # other commands do import them
-    assert "kvferry.router.app" in seen and "fastapi" in external  # the walk reached the router
+    assert "kvferry.router.api.app" in seen and "fastapi" in external  # the walk reached the router
     assert not external & {"vllm", "torch", "nixl", "numpy", "transformers", "matplotlib"}
 
     # The image installs /src with no extra: base dependencies and all they require.

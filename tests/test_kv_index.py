@@ -1,4 +1,4 @@
-"""router/kv_index.py (pure) and router/kv_events.py's subscriber, fed by vLLM's own
+"""router/fleet/kv_index.py (pure) and router/fleet/kv_events.py's subscriber, fed by vLLM's own
 ZmqEventPublisher and event classes over real ZMQ."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import pytest
 from helpers_http import OPERATOR, free_port
 
-from kvferry.router.kv_events import KvEventSubscriber, decode_batch, prompt_tokens
-from kvferry.router.kv_index import EngineIndex, PrefixIndex, chain, choose
+from kvferry.router.fleet.kv_events import KvEventSubscriber, decode_batch, prompt_tokens
+from kvferry.router.fleet.kv_index import EngineIndex, PrefixIndex, chain, choose
 from kvferry.router.metrics import RouterMetrics
 
 BS = 4
@@ -166,7 +166,7 @@ def test_router_sends_token_prompts_to_the_prefill_holding_them():
     import httpx
     from helpers_http import FakeEngine, serve
 
-    from kvferry.router.app import create_app
+    from kvferry.router.api.app import create_app
     from kvferry.router.settings import RouterSettings
 
     kv_events = pytest.importorskip("vllm.distributed.kv_events")

@@ -1,6 +1,6 @@
 """Lease control channel: signed, time-stamped requests (connectors/protocol/lease_control.py);
 D's `handle` never raises (connectors/transfer/lease_control.py); real ZMQ round trips
-between the router's `call` (router/lease_control.py) and a `ControlServer`."""
+between the router's `call` (router/conversations/lease_control.py) and a `ControlServer`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvferry.connectors.protocol import lease_control as wire
 from kvferry.connectors.protocol.params import SECRET_ENV, mac, parse_lease
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer import lease_control as lc
-from kvferry.router import lease_control as client
+from kvferry.router.conversations import lease_control as client
 
 KEY = b"test-secret"
 BS = 4
@@ -146,7 +146,7 @@ def test_round_trips_through_control_server(served):
 
     async def go():
         def call(op, lid, ttl=None, key=KEY):
-            return client.call("127.0.0.1", port, op, lid, ttl, timeout_s=5.0, key=key)
+            return client.call(("127.0.0.1", port), op, lid, ttl, timeout_s=5.0, key=key)
 
         r = await call("info", "L1")
         assert r["ok"] is True
@@ -242,14 +242,14 @@ def test_server_survives_garbage(served):
             assert msgspec.msgpack.decode(s.recv()) == {"ok": False, "error": "bad_request"}
         finally:
             s.close()
-    r = asyncio.run(client.call("127.0.0.1", port, "info", "L1", timeout_s=5.0, key=KEY))
+    r = asyncio.run(client.call(("127.0.0.1", port), "info", "L1", timeout_s=5.0, key=KEY))
     assert r["ok"] is True
 
 
 def test_unreachable_port_fails_fast():
     port = free_port()  # nothing listens there
     t0 = time.monotonic()
-    r = asyncio.run(client.call("127.0.0.1", port, "info", "L1", timeout_s=0.2, key=KEY))
+    r = asyncio.run(client.call(("127.0.0.1", port), "info", "L1", timeout_s=0.2, key=KEY))
     assert r["ok"] is False and r["error"].startswith("unreachable")
     assert time.monotonic() - t0 < 2.0
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.router.registry import (
+from kvferry.router.conversations.registry import (
     ANONYMOUS,
     ConversationEntry,
     ConversationRegistry,
     api_key_from,
-    choose_decode,
     conversation_id_from,
     tenant_of,
 )
+from kvferry.router.fleet.upstreams import choose_decode
 
 
 def entry(lease="L1", expiry=100.0, d="d0") -> ConversationEntry:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from helpers_http import FakeEngine, closed_port_url, serve
 
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 
 P_PARAMS = {

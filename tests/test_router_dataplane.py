@@ -1,6 +1,6 @@
 """The router's token path (issue 33): overload refused with 429/503 + Retry-After before
-any engine work (router/admission.py), and the bytes-level fast path of the stream
-rewriter (router/resume.py) giving exactly what the parsing path gives. Real HTTP with
+any engine work (router/api/admission.py), and the bytes-level fast path of the stream
+rewriter (router/wire/resume.py) giving exactly what the parsing path gives. Real HTTP with
 fake engines (tests/helpers_http.py) where a server is involved."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import httpx
 import pytest
 from helpers_http import FakeEngine, serve
 
-from kvferry.router.admission import Admission, Refused
-from kvferry.router.app import create_app
-from kvferry.router.resume import EventRewriter, Progress
+from kvferry.router.api.admission import Admission, Refused
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
+from kvferry.router.wire.resume import EventRewriter, Progress
 
 
 def test_admission_queue_bounds_and_hands_slots_over() -> None:
@@ -159,7 +159,7 @@ def test_connect_timeout_counts_only_time_the_router_could_act() -> None:
 
     import uvloop
 
-    from kvferry.router.stream_client import StreamClient
+    from kvferry.router.wire.stream_client import StreamClient
 
     d = FakeEngine("D", chunks=2)
 
@@ -201,7 +201,7 @@ def test_connect_timeout_still_fires_for_an_engine_that_never_accepts() -> None:
 
     import uvloop
 
-    from kvferry.router.stream_client import StreamClient
+    from kvferry.router.wire.stream_client import StreamClient
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

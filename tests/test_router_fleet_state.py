@@ -19,9 +19,9 @@ from fleet_stack import RedisServer, wait_for
 from helpers_fleet import metric, metric_sum, reuse_of
 from helpers_router_fleet import router, turn
 
+from kvferry.router.conversations.registry import ConversationEntry, ConversationRegistry
+from kvferry.router.conversations.state import RedisState, encode_entry
 from kvferry.router.metrics import RouterMetrics
-from kvferry.router.registry import ConversationEntry, ConversationRegistry
-from kvferry.router.state import RedisState, encode_entry
 
 _secret = helpers_router_fleet._secret
 redis_server = helpers_router_fleet.redis_server

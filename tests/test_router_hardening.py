@@ -27,9 +27,9 @@ from kvferry.connectors.transfer.handshake import HandshakeServer
 from kvferry.connectors.transfer.results import ResultBox
 from kvferry.connectors.transfer.sends import Sends
 from kvferry.connectors.transfer.stats import Stats
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
-from kvferry.router.wire import OPERATOR_HEADERS, parse_report_comment
+from kvferry.router.wire.headers import OPERATOR_HEADERS, parse_report_comment
 
 KEY = b"hardening-secret"
 KV_ADDR = "127.0.0.1:5650"
@@ -306,8 +306,9 @@ def test_api_keys_401_before_any_engine_work_and_rotation_without_restart(
 def test_tenant_is_the_keys_id(tmp_path: Path) -> None:
     """The conversation tenant follows the key's id: a rotated key keeps the tenant's
     conversations, another id is another tenant."""
-    from kvferry.router import auth
-    from kvferry.router.registry import tenant_of
+    from kvferry.router.api import auth
+    from kvferry.router.conversations.caller import caller_key
+    from kvferry.router.conversations.registry import tenant_of
 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"team-a": "sk-a-1"}))
@@ -320,7 +321,7 @@ def test_tenant_is_the_keys_id(tmp_path: Path) -> None:
 
         def request() -> str:
             assert gate.admit(headers) is None
-            return tenant_of(auth.caller_key(headers), KEY)
+            return tenant_of(caller_key(headers), KEY)
 
         return contextvars.copy_context().run(request)
 
@@ -410,8 +411,8 @@ def test_body_over_the_limit_is_413_unread(stack: ExitStack) -> None:
 
 
 def test_default_body_limit_is_sized_from_max_model_len() -> None:
-    from kvferry.router.engine_limits import BODY_BYTES_PER_TOKEN, BODY_OVERHEAD, body_limit
-    from kvferry.router.validate import EngineLimits
+    from kvferry.router.fleet.engine_limits import BODY_BYTES_PER_TOKEN, BODY_OVERHEAD, body_limit
+    from kvferry.router.wire.validate import EngineLimits
 
     s = RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"])
     assert body_limit(s, EngineLimits(32768)) == 32768 * BODY_BYTES_PER_TOKEN + BODY_OVERHEAD
@@ -513,7 +514,7 @@ def test_engines_start_as_starting_not_ejected(stack: ExitStack) -> None:
 def test_k8s_launch_turns_router_keys_on(tmp_path: Path) -> None:
     """`launch --target k8s`: the router reads its API keys from a mounted Secret (rotated
     by editing it) and its operator token from the deployment Secret."""
-    from kvferry.router.auth import ApiKeys
+    from kvferry.router.api.auth import ApiKeys
     from kvferry.scripts.k8s import API_KEYS_DIR, manifests
     from kvferry.scripts.k8s_settings import K8sSettings
 

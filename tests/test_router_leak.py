@@ -22,10 +22,10 @@ import pytest
 from helpers_http import FakeEngine, closed_port_url, serve
 from vllm_sources import source_dir
 
-from kvferry.router.app import create_app
-from kvferry.router.registry import ANONYMOUS
+from kvferry.router.api.app import create_app
+from kvferry.router.conversations.registry import ANONYMOUS
 from kvferry.router.settings import RouterSettings
-from kvferry.router.sse import EngineFieldFilter
+from kvferry.router.wire.sse import EngineFieldFilter
 
 HERE = Path(__file__).parent
 LEASE = "__LEASE_ID__"

@@ -1,4 +1,4 @@
-"""Mid-stream migration (router/migrate.py, router/resume.py) over real HTTP with fake
+"""Mid-stream migration (router/legs/migrate.py, router/wire/resume.py) over real HTTP with fake
 engines: a D that dies (connection cut mid-body), sends an error event or ends early, and
 a stream that must go on, token for token, on another pair.
 
@@ -25,10 +25,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from helpers_http import serve
 
-from kvferry.router import resume
-from kvferry.router.app import create_app
-from kvferry.router.bodies import CHAT, COMPLETIONS
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
+from kvferry.router.wire import resume
+from kvferry.router.wire.bodies import CHAT, COMPLETIONS
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 AUTH = {"authorization": "Bearer key-A"}
@@ -429,7 +429,7 @@ def test_rewriter_holds_partial_events_and_shifts_offsets() -> None:
     assert p.sent == [5, 6, 7] and cont.broken() is None
 
 
-# -- first token from P (router/first_token.py) ----------------------------------------------
+# -- first token from P (router/legs/first_token.py) ----------------------------------------------
 PUSH_KV = {"prefill_kv_addrs": ["127.0.0.1:5600"]}
 PUSH_HDR = {"x-kvferry-mode": "push"}
 

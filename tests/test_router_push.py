@@ -12,9 +12,9 @@ import httpx
 import pytest
 from helpers_http import FakeEngine, serve
 
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
-from kvferry.router.wire import parse_report_comment
+from kvferry.router.wire.headers import parse_report_comment
 from kvferry.scripts.bench_core import Result, Target, send_request
 
 PUSH_REPORT_WAIT_S = RouterSettings.model_fields["push_report_wait_s"].default

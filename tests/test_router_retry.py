@@ -22,7 +22,7 @@ from helpers_http import OPERATOR, FakeEngine, closed_port_url, dropping_server,
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvferry.connectors.protocol.params import SECRET_ENV
-from kvferry.router.app import create_app
+from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 3}

@@ -24,9 +24,9 @@ from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.connectors.scheduling.lease_keeper import LeaseKeeper
 from kvferry.connectors.transfer.lease_control import ControlServer
-from kvferry.router.app import create_app
-from kvferry.router.history import CONTENT_KEY_PREFIX
-from kvferry.router.registry import ANONYMOUS
+from kvferry.router.api.app import create_app
+from kvferry.router.conversations.history import CONTENT_KEY_PREFIX
+from kvferry.router.conversations.registry import ANONYMOUS
 from kvferry.router.settings import RouterSettings
 
 KEY = b"turns-secret"

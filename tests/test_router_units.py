@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvferry.router import bodies
-from kvferry.router.app import resolve_mode
-from kvferry.router.flow import build_legs
+from kvferry.router.api.app import resolve_mode
+from kvferry.router.fleet.upstreams import UpstreamPool
+from kvferry.router.legs.flow import build_legs
 from kvferry.router.settings import RouterSettings
-from kvferry.router.sse import InsertBeforeDone
-from kvferry.router.upstreams import UpstreamPool
+from kvferry.router.wire import bodies
+from kvferry.router.wire.sse import InsertBeforeDone
 
 
 def test_sanitize_drops_router_fields_and_copies_the_top_level() -> None:
@@ -132,23 +132,23 @@ def test_router_without_the_secret_says_reuse_is_off(caplog: pytest.LogCaptureFi
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """D refuses lease requests not signed with the deployment secret (`kvferry up` once
     started its router without it): a router that would ask D for leases says so."""
-    from kvferry.router.app import create_app
+    from kvferry.router.api.app import create_app
 
     monkeypatch.delenv("KVFERRY_SECRET", raising=False)
     s = RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"],
                        decode_control_addrs=["127.0.0.1:5666"])
-    with caplog.at_level("WARNING", logger="kvferry.router.app"):
+    with caplog.at_level("WARNING", logger="kvferry.router.api.app"):
         create_app(s)
     assert "KVFERRY_SECRET is not set" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="kvferry.router.app"):
+    with caplog.at_level("WARNING", logger="kvferry.router.api.app"):
         create_app(s, b"k")
         create_app(RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"]))
     assert "KVFERRY_SECRET" not in caplog.text  # a key, or no leases to ask for
 
 
 def test_reuse_report_header_wins_and_bad_values_are_no_report() -> None:
-    from kvferry.router.wire import reuse_report
+    from kvferry.router.wire.headers import reuse_report
 
     fields = {"kvferry_reused_tokens": 64, "kvferry_reuse_reason": "ok"}
     hdrs = {"x-kvferry-reused-tokens": "128", "x-kvferry-reuse-reason": "ok"}

@@ -1,4 +1,4 @@
-"""Several router worker processes on one port (router/workers.py): real `kvferry router
+"""Several router worker processes on one port (router/api/workers.py): real `kvferry router
 --workers 2 --state redis://` processes, FAKE engines (tests/helpers_http.py) and a real
 Redis. Both workers serve, and SIGTERM drains them and exits 0."""
 
@@ -16,7 +16,7 @@ from fleet_stack import RedisServer, RouterProcess
 from helpers_http import free_port
 from helpers_router_fleet import fresh_redis, redis_server  # noqa: F401
 
-from kvferry.router import workers
+from kvferry.router.api import workers
 from kvferry.router.settings import RouterSettings
 
 HERE = Path(__file__).resolve().parent

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvferry.router.bodies import token_ids
-from kvferry.router.sse_framing import EVENT_END, event_ends, last_event_end
+from kvferry.router.wire.bodies import token_ids
+from kvferry.router.wire.sse_framing import EVENT_END, event_ends, last_event_end
 
 
 def _regex(data: bytes) -> list[tuple[int, int]]:

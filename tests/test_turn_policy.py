@@ -1,4 +1,4 @@
-"""router/turn_policy.py: where each turn is prefilled, and how its new tokens are counted
+"""router/conversations/turn_policy.py: where each turn is prefilled, and how its new tokens are counted
 (pure; the whole decision space is enumerated)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import math
 import pytest
 
 from kvferry.connectors.protocol.prefix import block_hashes
-from kvferry.router.history import Answer, record, view_of
-from kvferry.router.turn_policy import (
+from kvferry.router.conversations.history import Answer, record, view_of
+from kvferry.router.conversations.turn_policy import (
     MESSAGE_OVERHEAD_TOKENS,
+    Facts,
     LocalBudget,
     PolicyConfig,
     decide,
@@ -36,8 +37,8 @@ def test_every_combination_follows_the_rules_in_order():
     seen = set()
     for has, forced, cap, sticky, new, busy, budget in grid:
         cfg = PolicyConfig(cap, CFG.busy_tokens_per_s, CFG.max_in_flight)
-        d = decide(cfg, has_entry=has, sticky=sticky, new=new, d_in_flight=busy,
-                   budget_ok=budget, forced_prefill=forced)
+        d = decide(cfg, Facts(has_entry=has, sticky=sticky, new=new, d_in_flight=busy,
+                              budget_ok=budget, forced_prefill=forced))
         checks = [("no_history", has), ("client_asked", not forced), ("disabled", cap > 0),
                   ("decoder_moved", sticky), ("history_changed", new is not None),
                   ("long_turn", new is not None and new <= cap),
@@ -55,13 +56,13 @@ def test_every_combination_follows_the_rules_in_order():
 
 
 def test_an_idle_decoder_takes_a_short_turn_whatever_its_budget():
-    d = decide(CFG, has_entry=True, sticky=True, new=100, d_in_flight=0, budget_ok=False)
+    d = decide(CFG, Facts(has_entry=True, sticky=True, new=100, d_in_flight=0, budget_ok=False))
     assert d.route == "d_local"
-    d = decide(CFG, has_entry=True, sticky=True, new=100, d_in_flight=1, budget_ok=False)
+    d = decide(CFG, Facts(has_entry=True, sticky=True, new=100, d_in_flight=1, budget_ok=False))
     assert (d.route, d.reason) == ("p_reuse", "decoder_budget")
     one = PolicyConfig(max_in_flight=1)
-    assert decide(one, has_entry=True, sticky=True, new=5, d_in_flight=1,
-                  budget_ok=True).reason == "decoder_busy"
+    assert decide(one, Facts(has_entry=True, sticky=True, new=5, d_in_flight=1,
+                             budget_ok=True)).reason == "decoder_busy"
 
 
 def test_defaults_are_the_documented_ones():

@@ -6,7 +6,7 @@ time-stamped, so only the router (or another holder of ``KVFERRY_SECRET``) can e
 extend a lease, and a captured request cannot be replayed later. Replies:
 ``{"ok": True, "offer": <signed LeaseOffer>}`` or ``{"ok": False, "error": "<reason>"}``
 where reason is a `LeaseError` reason, one of `Refused`'s, or ``unreachable``. Pure: D's
-server is connectors/transfer/lease_control.py, the router's client router/lease_control.py.
+server is connectors/transfer/lease_control.py, the router's client router/conversations/lease_control.py.
 """
 
 from __future__ import annotations

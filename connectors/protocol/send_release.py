@@ -7,7 +7,7 @@ the deployment secret (the one MAC, `params.mac`) and time-stamped like lease co
 the router (or another holder of ``KVFERRY_SECRET``) can free P's blocks, and a captured
 request cannot be replayed later. Replies: ``{"ok": True}`` or ``{"ok": False, "error":
 <lease_control.Refused reason>}``. Pure: P's server is connectors/transfer/handshake.py,
-the router's client router/offer_release.py.
+the router's client router/legs/offer_release.py.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def summarize(marks: dict[str, dict[str, float]], events: Sequence[str] = PUSH_E
         ("last_chunk_scheduled", "first_layer_posted"),
         ("first_layer_posted", "last_layer_posted"), ("last_layer_posted", "forward_done"),
         ("forward_done", "write_done"), ("kv_in", "scheduled"),
-        # router: P's token 1 sent to the client before D's (router/first_token.py)
+        # router: P's token 1 sent to the client before D's (router/legs/first_token.py)
         ("p_answered", "p_token_out"), ("p_token_out", "client_first_byte"),
         # engine core -> its API server -> the router, on P and on D
         ("prefill_end", "p_answered"), ("d_token_out", "d_first_byte"),

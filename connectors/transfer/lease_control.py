@@ -2,7 +2,7 @@
 release and info requests from a daemon thread (`ControlServer`, ZMQ REP).
 
 The requests and replies are connectors/protocol/lease_control.py (signed with the
-deployment secret, time-stamped); the router's client is router/lease_control.py.
+deployment secret, time-stamped); the router's client is router/conversations/lease_control.py.
 """
 
 from __future__ import annotations

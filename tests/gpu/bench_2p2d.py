@@ -21,7 +21,7 @@ from bench_pd import ENGINE_ARGS, bench, serving_args  # noqa: E402
 from helpers_http import serve  # noqa: E402
 from stack import STARTUP_S, kvferry_router_settings, start_engine  # noqa: E402
 
-from kvferry.router.app import create_app  # noqa: E402
+from kvferry.router.api.app import create_app  # noqa: E402
 from kvferry.scripts.modelgen import write_model  # noqa: E402
 from kvferry.scripts.procs import stop_all, wait_healthy  # noqa: E402
 

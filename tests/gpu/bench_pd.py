@@ -93,7 +93,7 @@ def run_kvferry(args, model: str, tmp: Path, engine_args: tuple[str, ...],
         targets = ([f"kvferry-push-layerwise{bs}={s.router},impl=kvferry,mode=push_layerwise,"
                     "x-kvferry-mode=push"] if layerwise else
                    [f"kvferry-push{bs}={s.router},impl=kvferry,mode=push,x-kvferry-mode=push",
-                    # the same push with D's own first token (router/first_token.py)
+                    # the same push with D's own first token (router/legs/first_token.py)
                     f"kvferry-push-d-token{bs}={s.router},impl=kvferry,mode=push,"
                     "x-kvferry-mode=push,x-kvferry-first-token=decode",
                     f"kvferry-pull{bs}={s.router},impl=kvferry,mode=pull,x-kvferry-mode=pull",

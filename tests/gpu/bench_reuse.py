@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers_http import serve  # noqa: E402
 from stack import kvferry_router_settings, pd_stack  # noqa: E402
 
-from kvferry.router.app import create_app  # noqa: E402
+from kvferry.router.api.app import create_app  # noqa: E402
 from kvferry.scripts.bench import git_commit  # noqa: E402
 from kvferry.scripts.engines import shared_device_args  # noqa: E402
 from kvferry.scripts.modelgen import SHAPES, write_model  # noqa: E402

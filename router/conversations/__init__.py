@@ -1,0 +1,1 @@
+"""Conversations: turns, where their KV lives (registry, state), D's leases, history."""

@@ -1,0 +1,409 @@
+"""Pass an upstream SSE stream to the client chunk by chunk.
+
+Written as a raw ASGI response (not StreamingResponse) so that the upstream stream is
+closed in every case: normal end, upstream error, and client disconnect (watched on
+`receive` for all ASGI servers, not only those that raise on send).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ..errors import RouterError, error_body, from_transport
+from . import bodies
+from .sse_framing import event_ends, last_event_end
+from .stream_client import LegResponse
+
+log = logging.getLogger(__name__)
+
+
+def sse_error_event(message: str, status: int, err_type: str) -> bytes:
+    """An in-band error event plus [DONE], for failures after headers were sent."""
+    payload = json.dumps(error_body(message, status, err_type))
+    return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+
+
+class ChunkFilter(Protocol):
+    """Rewrites the byte stream on its way to the client (may hold bytes back)."""
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
+DONE_EVENT = b"data: [DONE]"
+DONE = b"[DONE]"
+
+
+class InsertBeforeDone:
+    """Inserts `extra()` (when it returns bytes) just before the `data: [DONE]` event.
+
+    Chunk boundaries are arbitrary, so a chunk tail that could be the start of the
+    marker is held back until the next chunk (vLLM's chunks end with a blank line, so in
+    practice nothing is delayed).
+    """
+
+    def __init__(self, extra: Callable[[], bytes | None]) -> None:
+        self._extra = extra
+        self._held = b""
+        self._done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        data, self._held = self._held + chunk, b""
+        if self._done:
+            return data
+        start = 0
+        while (i := data.find(DONE_EVENT, start)) >= 0:
+            if i == 0 or data[i - 1 : i] == b"\n":
+                self._done = True
+                return data[:i] + (self._extra() or b"") + data[i:]
+            start = i + 1
+        for k in range(min(len(DONE_EVENT) - 1, len(data)), 0, -1):
+            if DONE_EVENT.startswith(data[-k:]):
+                self._held = data[-k:]
+                return data[:-k]
+        return data
+
+    def flush(self) -> bytes:
+        out, self._held = self._held, b""
+        return out
+
+
+_MARKERS = tuple(f'"{k}"'.encode() for k in bodies.ENGINE_FIELDS)
+_MARKER = re.compile(b"|".join(re.escape(m) for m in _MARKERS))
+"""Any engine-owned field's key: one C-level search per chunk on the token path."""
+
+
+class EngineFieldFilter:
+    """Removes engine-owned fields (`bodies.ENGINE_FIELDS`) from every SSE event.
+
+    vLLM 0.33 puts D's `kv_transfer_params` (block ids, host:port, a lease) on the last
+    streamed chunk; passed through, a client would see engine internals. Events are
+    forwarded whole: bytes after the last complete event wait for the rest of it (vLLM
+    ends each chunk with an event, so nothing waits in practice). Events that mention no
+    engine field are forwarded untouched, without parsing. `on_params` receives the first
+    non-empty `kv_transfer_params` seen (D's lease offer, for the conversation registry);
+    `on_done` is called once, just before the `data: [DONE]` event is passed on.
+    """
+
+    def __init__(self, on_params: Callable[[dict], None] | None = None,
+                 on_done: Callable[[], None] | None = None) -> None:
+        self._on_params = on_params
+        self._on_done = on_done
+        self._held = b""
+        self.scrubbed = 0
+        """Events from which a field was removed (a counter tests and metrics read)."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self._held and chunk.endswith(b"\n\n") and _MARKER.search(chunk) is None:
+            return self._done(chunk) if DONE in chunk else chunk  # whole events, none to scrub
+        data = self._held + chunk
+        end = last_event_end(data)
+        self._held = data[end:]
+        return self._done(self._scrub(data[:end]))
+
+    def flush(self) -> bytes:
+        out, self._held = self._held, b""
+        return self._done(self._scrub(out))
+
+    def _done(self, data: bytes) -> bytes:
+        if self._on_done is not None and DONE_EVENT in data:
+            done, self._on_done = self._on_done, None
+            done()
+        return data
+
+    def _scrub(self, data: bytes) -> bytes:
+        if not any(m in data for m in _MARKERS):
+            return data
+        out = []
+        pos = 0
+        for start, end in event_ends(data):
+            out.append(self._event(data[pos:start]) + data[start:end])
+            pos = end
+        if pos < len(data):
+            out.append(self._event(data[pos:]))
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes:
+        """One SSE event (lines without the blank line ending it), engine fields removed."""
+        if not any(m in event for m in _MARKERS):
+            return event
+        lines = event.splitlines()
+        data_lines = [ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")]
+        try:
+            obj = json.loads(b"\n".join(data_lines))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return event  # not JSON: no object field to remove
+        removed = bodies.scrub_engine_fields(obj)
+        if not removed:
+            return event
+        self.scrubbed += 1
+        params = removed.get("kv_transfer_params")
+        if isinstance(params, dict) and params and self._on_params is not None:
+            self._on_params(params)
+            self._on_params = None
+        other = [ln for ln in lines if not ln.startswith(b"data:")]
+        return b"\n".join([*other, b"data: " + json.dumps(obj, separators=(",", ":")).encode()])
+
+
+class ChainedFilter:
+    """Applies several ChunkFilters in order."""
+
+    def __init__(self, *filters: ChunkFilter) -> None:
+        self.filters = filters
+
+    def feed(self, chunk: bytes) -> bytes:
+        for f in self.filters:
+            chunk = f.feed(chunk)
+        return chunk
+
+    def flush(self) -> bytes:
+        out = b""
+        for f in self.filters:
+            out = f.feed(out) + f.flush() if out else f.flush()
+        return out
+
+
+@dataclass
+class Leg:
+    """One upstream answer serving a client stream (its first, or a continuation)."""
+
+    response: LegResponse
+    url: str
+    filter: ChunkFilter | None = None
+    """This answer's own rewriting; what it holds back when the answer breaks (an
+    incomplete event) is dropped."""
+    on_close: Callable[[], None] | None = None
+    """Called once when this answer is closed (releases its engine)."""
+    broken: Callable[[], str | None] | None = None
+    """After a clean end: why the answer is incomplete all the same (an in-band error
+    event, no [DONE]), or None. Only set where another engine could take over."""
+    cut: Callable[[], bool] | None = None
+    """True once the rest of this answer is of no use (D's token 1 was not P's): stop
+    reading it now rather than at its end; `broken` says why."""
+    closed: bool = False
+
+
+class Head(Protocol):
+    """An event that may go to the client before the first leg's first chunk (push: P's
+    token 1, router/legs/first_token.py): `ready` awaits it (None: there is none), `sent` is
+    called once it went out, `lost` when a leg's chunk went first (again: no effect)."""
+
+    async def ready(self) -> bytes | None: ...
+
+    def sent(self) -> None: ...
+
+    def lost(self) -> None: ...
+
+
+Resume = Callable[[str, RouterError], Awaitable["Leg | bytes | RouterError"]]
+"""Called with a broken leg's URL and what broke: the next leg, the stream's last bytes,
+or the error to end the stream with."""
+
+
+@dataclass
+class StreamEvents:
+    """What an `UpstreamStream` calls as the client's stream goes, and how it rewrites
+    the client's bytes; built once per stream (the decode leg, from its observers). None:
+    nothing to call, and nothing is checked per chunk for it.
+
+    `first_chunk` is called once; `abort` (before the last close) when the stream did not
+    end cleanly: the client went away, or a leg broke and no other took over; `success`
+    when it did end cleanly. `rewrite` rewrites the client's bytes across legs;
+    `before_done` is awaited once, before the upstream's `[DONE]` goes on (push: P's
+    report, which the rewrite inserts there, may still be on its way)."""
+
+    first_chunk: Callable[[], None]
+    error: Callable[[RouterError], None] | None = None
+    abort: Callable[[], None] | None = None
+    success: Callable[[], None] | None = None
+    before_done: Callable[[], Awaitable[None]] | None = None
+    rewrite: ChunkFilter | None = None
+
+
+class UpstreamStream(Response):
+    """Streams an upstream's body to the client, leg after leg when `resume` continues a
+    broken one elsewhere; each leg is closed (its `on_close` called) exactly once. What it
+    tells, and its rewriting: `events` (`StreamEvents`)."""
+
+    def __init__(
+        self,
+        first: Leg,
+        *,
+        leg: str,
+        headers: Mapping[str, str],
+        events: StreamEvents,
+        resume: Resume | None = None,
+        head: Head | None = None,
+    ) -> None:
+        self.current = first
+        self.leg = leg
+        self.status_code = first.response.status_code
+        self.media_type = first.response.headers.get("content-type", "text/event-stream")
+        self.background = None
+        merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **dict(headers)}
+        self.init_headers(merged)
+        self._on_first_chunk: Callable[[], None] | None = events.first_chunk
+        self._on_error = events.error
+        self._on_abort = events.abort
+        self._filter = events.rewrite
+        self._on_success = events.success
+        self._resume = resume
+        self._before_done = events.before_done
+        self._tail = b""  # the last bytes of the previous upstream chunk
+        self._sent_all = False
+        self._head = head
+        self._first_leg = first
+        self._relayed = False  # a chunk of a leg went on: the head is too late
+        self._send_lock = asyncio.Lock()  # anyio's yields to the loop on every acquire
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        clean = False
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    if not self._sent_all:  # the server reports one after every response
+                        log.info("client disconnected; closing %s stream from %s",
+                                 self.leg, self.current.url)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch_disconnect)
+                clean = await self._pump(send)
+                tg.cancel_scope.cancel()
+        finally:
+            await _close(self.current)
+            if not clean and self._on_abort is not None:
+                self._on_abort()
+            if clean and self._on_success is not None:
+                self._on_success()
+        if self.background is not None:  # as Starlette's responses do, once all was sent
+            await self.background()
+
+    async def _pump(self, send: Send) -> bool:
+        """Send the legs' bodies; True when the stream ended without an error."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        if self._head is None:
+            return await self._legs(send)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._send_head, send)
+            try:
+                return await self._legs(send)
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _send_head(self, send: Send) -> None:
+        """The head event, through the first leg's filter, unless a leg's chunk went first."""
+        head = self._head
+        assert head is not None
+        event = await head.ready()
+        if event is None:
+            return
+        async with self._send_lock:
+            leg = self.current
+            if self._relayed or leg is not self._first_leg or leg.closed:
+                head.lost()  # counted already, unless the first leg closed unread
+                return
+            data = leg.filter.feed(event) if leg.filter is not None else event
+            head.sent()
+            await self._to_client(send, data)
+
+    async def _legs(self, send: Send) -> bool:
+        while (err := await self._relay(self.current, send)) is not None:
+            broken = self.current
+            await _close(broken)
+            nxt = await self._resume(broken.url, err) if self._resume is not None else err
+            if isinstance(nxt, Leg):
+                self.current = nxt
+                continue
+            if isinstance(nxt, bytes):
+                await self._to_client(send, nxt)
+                break
+            log.warning("%s stream broke: %s", self.leg, nxt.message)
+            if self._on_error is not None:
+                self._on_error(nxt)
+            event = sse_error_event(nxt.client_message, nxt.status, nxt.err_type)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            self._sent_all = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return False
+        if self._filter is not None and (tail := self._filter.flush()):
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
+        self._sent_all = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+    async def _relay(self, leg: Leg, send: Send) -> RouterError | None:
+        """Pass one leg on; None when it ended complete, else what broke it.
+
+        The token path: per chunk only bytes searches and the filters' own fast paths;
+        the send lock is taken only while a head event may still go first."""
+        flt, cut = leg.filter, leg.cut
+        try:
+            async for chunk in leg.response.aiter_bytes():
+                if not chunk:
+                    continue
+                if self._on_first_chunk is not None:
+                    first, self._on_first_chunk = self._on_first_chunk, None
+                    first()
+                if self._before_done is not None:
+                    if DONE in self._tail + chunk:
+                        wait, self._before_done = self._before_done, None
+                        await wait()  # what `rewrite` adds before [DONE] may be due
+                    self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
+                if self._head is None or self._relayed:
+                    self._relayed = True
+                    await self._to_client(send, flt.feed(chunk) if flt is not None else chunk)
+                else:
+                    async with self._send_lock:
+                        if leg is self._first_leg:
+                            self._head.lost()  # no-op once it was sent
+                        self._relayed = True
+                        if flt is not None:
+                            chunk = flt.feed(chunk)
+                        await self._to_client(send, chunk)
+                if cut is not None and cut():
+                    break
+            if flt is not None:
+                await self._to_client(send, flt.flush())
+        except httpx.HTTPError as exc:
+            return from_transport(exc, self.leg, leg.url)
+        reason = leg.broken() if leg.broken is not None else None
+        if reason is None:
+            return None
+        return RouterError(502, f"{self.leg} upstream {leg.url} {reason}", "upstream_error",
+                           self.leg, "stream_broken")
+
+    async def _to_client(self, send: Send, chunk: bytes) -> None:
+        if chunk and self._filter is not None:
+            chunk = self._filter.feed(chunk)
+        if chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+async def _close(leg: Leg) -> None:
+    """Close a leg's upstream answer (even while cancelled) and release it, once."""
+    if leg.closed:
+        return
+    leg.closed = True
+    try:
+        with anyio.CancelScope(shield=True):
+            await leg.response.aclose()
+    finally:
+        if leg.on_close is not None:
+            leg.on_close()

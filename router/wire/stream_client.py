@@ -1,0 +1,284 @@
+"""The decode leg's HTTP client: aiohttp, whose C parser reads D's streamed answer for a
+fraction of httpx's per-chunk cost (httpx + httpcore + h11 + anyio were about half the
+router's CPU per streamed chunk).
+
+Its answers look like the `httpx.Response` the rest of the router knows (`status_code`,
+`headers`, `aiter_bytes`, `aread`, `aclose`) and its failures are raised as the httpx
+exceptions `errors.from_transport` maps, so a refused connection still means "never sent"
+(another D may take the leg) and a dropped one "broke". Timeouts count from when the
+router could act: `connect` bounds the TCP connect only, never a wait for a free pooled
+connection (admission, router/api/admission.py, bounds how many legs are open), and `read`
+each wait for bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+import httpx
+
+
+def _as_httpx(exc: BaseException) -> httpx.HTTPError:
+    """The httpx exception `errors.from_transport` maps like this aiohttp failure."""
+    msg = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(msg)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(msg)
+    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
+        return httpx.ReadTimeout(msg)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return httpx.RemoteProtocolError(msg)
+    return httpx.ReadError(msg)
+
+
+def _buffered(content: aiohttp.StreamReader) -> bytes:
+    """Bytes D sent before its connection broke that aiohttp has not handed out yet: its
+    `readany` raises a broken body's error before returning them (it checks the error
+    first), yet they are D's tokens, the client's stream and migration's count need them.
+    aiohttp has no public call for them (its buffer, as of 3.14)."""
+    buf = getattr(content, "_buffer", None)
+    if not buf:
+        return b""
+    data = b"".join(buf)[getattr(content, "_buffer_offset", 0):]
+    buf.clear()
+    content._buffer_offset = 0  # type: ignore[attr-defined]
+    return data
+
+
+async def _connected(_session: Any, ctx: Any, _params: Any) -> None:
+    ctx.trace_request_ctx.set()
+
+
+async def _connect_deadline(task: asyncio.Future[Any], connected: asyncio.Event,
+                            limit_s: float) -> None:
+    """Until `task` has its connection (or ended); ConnectionTimeoutError once `limit_s`
+    of time the router could act in has passed: waits are sliced, and a slice the loop
+    woke from late (it was busy, or the process got no CPU) does not count; at the end
+    the loop is let poll I/O twice, and a connection found made there counts as in time."""
+    loop = asyncio.get_running_loop()
+    waiter = asyncio.ensure_future(connected.wait())
+    budget = limit_s
+    try:
+        while not (connected.is_set() or task.done()):
+            if budget <= 0:
+                for _ in range(2):
+                    await asyncio.sleep(0)
+                if connected.is_set() or task.done():
+                    return
+                raise aiohttp.ConnectionTimeoutError(f"no connection within {limit_s:g} s")
+            step = min(budget, CONNECT_SLICE_S)
+            t0 = loop.time()
+            await asyncio.wait((task, waiter), timeout=step,
+                               return_when=asyncio.FIRST_COMPLETED)
+            elapsed = loop.time() - t0
+            if elapsed <= step + LATE_S:  # on time: the router could have acted
+                budget -= elapsed
+    finally:
+        waiter.cancel()
+
+
+CONNECT_SLICE_S = 0.05
+LATE_S = 0.02
+"""A wait that ends more than this after its slice: the loop was late, not the engine."""
+
+
+class StreamResponse:
+    """D's answer, opened: the status and headers are in, the body is read on demand."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, watch: Watchdog | None = None) -> None:
+        self._resp = resp
+        self.status_code = resp.status
+        self.headers: Mapping[str, str] = resp.headers
+        self._done = False
+        self._watch = watch
+        self.last = 0.0  # loop time of the last bytes (the watchdog reads it)
+        self.limit: float | None = None
+        self.timed_out = False
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (chunked framing removed).
+
+        The read timeout is the watchdog's (`Watchdog`): aiohttp's own re-arms a loop
+        timer on every chunk, a measurable share of the token path's CPU."""
+        content = self._resp.content
+        proto = self._resp.connection.protocol if self._resp.connection else None
+        watch = self._watch
+        if watch is not None and proto is not None and proto.read_timeout:
+            self.limit, proto.read_timeout = proto.read_timeout, None
+            watch.add(self)
+        clock = asyncio.get_running_loop().time
+        try:
+            self.last = clock()
+            while chunk := await content.readany():
+                self.last = clock()
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if rest := _buffered(content):
+                yield rest
+            if self.timed_out:
+                raise httpx.ReadTimeout(f"no bytes for {self.limit:g} s") from exc
+            raise _as_httpx(exc) from exc
+        finally:
+            if watch is not None:
+                watch.discard(self)
+        self._done = True
+
+    def expire(self) -> None:
+        """The watchdog's verdict: no bytes for `limit` seconds."""
+        self.timed_out = True
+        self._resp.close()
+
+    async def aread(self) -> bytes:
+        try:
+            data = await self._resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _as_httpx(exc) from exc
+        self._done = True
+        return data
+
+    async def aclose(self) -> None:
+        """Back to the pool when read to its end, else the connection is dropped (the
+        engine then stops generating for it)."""
+        if self._done:
+            self._resp.release()
+        else:
+            self._resp.close()
+
+
+class Watchdog:
+    """Read timeouts of open streams, checked a few times per timeout instead of a loop
+    timer re-armed on every chunk; a stream idle past its limit is closed (ReadTimeout)."""
+
+    def __init__(self) -> None:
+        self._streams: set[StreamResponse] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._period = WATCH_MAX_S
+
+    def add(self, s: StreamResponse) -> None:
+        self._streams.add(s)
+        assert s.limit is not None
+        self._period = min(self._period, max(0.01, s.limit / 4))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def discard(self, s: StreamResponse) -> None:
+        self._streams.discard(s)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._streams:
+            await asyncio.sleep(self._period)
+            now = loop.time()
+            for s in [s for s in self._streams if s.limit and now - s.last > s.limit]:
+                self._streams.discard(s)
+                s.expire()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+WATCH_MAX_S = 1.0
+
+
+class StreamClient:
+    """One aiohttp session per router app (made inside its event loop)."""
+
+    def __init__(self, max_connections: int, keepalive_s: float) -> None:
+        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0,
+                                         keepalive_timeout=keepalive_s,
+                                         enable_cleanup_closed=False)
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(_connected)
+        trace.on_connection_reuseconn.append(_connected)
+        # trust_env=False: proxy variables must never divert engine traffic.
+        self.session = aiohttp.ClientSession(connector=connector, trust_env=False,
+                                             skip_auto_headers=("User-Agent",),
+                                             trace_configs=[trace])
+        self.watchdog = Watchdog()
+
+    async def post(self, url: str, content: bytes, headers: Mapping[str, str],
+                   timeout: httpx.Timeout) -> StreamResponse:
+        """Send the request; returns once the status line and headers are in.
+
+        The connect timeout is this client's own, not aiohttp's: a loop that was busy
+        (or a process that got no CPU) past the deadline runs its expired timers before
+        it polls the socket that connected long ago, so aiohttp's timer would fail a leg
+        whose engine answered at once. Here a timeout is declared only after the loop
+        has polled I/O past the deadline (`_connect_deadline`)."""
+        t = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None,
+                                  sock_read=timeout.read)
+        connected = asyncio.Event()
+        task = asyncio.ensure_future(self.session.post(
+            url, data=content, headers=dict(headers), timeout=t, allow_redirects=False,
+            trace_request_ctx=connected))
+        try:
+            if timeout.connect is not None:
+                await _connect_deadline(task, connected, timeout.connect)
+            resp = await task
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _as_httpx(exc) from exc
+        finally:
+            if not task.done():
+                task.cancel()
+        return StreamResponse(resp, self.watchdog)
+
+    async def fetch(self, url: str, content: bytes, headers: Mapping[str, str],
+                    timeout: httpx.Timeout) -> Answer:
+        """POST and read the whole answer (the prefill leg's JSON)."""
+        resp = await self.post(url, content, headers, timeout)
+        try:
+            return Answer(resp.status_code, resp.headers, await resp.aread())
+        finally:
+            await resp.aclose()
+
+    async def close(self) -> None:
+        self.watchdog.close()
+        await self.session.close()
+
+
+class Answer:
+    """A whole answer, read: what the router uses of an `httpx.Response`."""
+
+    def __init__(self, status_code: int, headers: Mapping[str, str], content: bytes) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self.content = content
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+async def fetch(streams: StreamClient | None, client: httpx.AsyncClient, url: str,
+                content: bytes, headers: Mapping[str, str], timeout: httpx.Timeout
+                ) -> Answer | httpx.Response:
+    """POST and read the whole answer: through `streams` when the app has one (a fraction
+    of httpx's CPU per request), else httpx."""
+    if streams is not None:
+        return await streams.fetch(url, content, headers, timeout)
+    return await client.post(url, content=content, headers=dict(headers), timeout=timeout)
+
+
+async def open_leg(streams: StreamClient | None, client: httpx.AsyncClient, url: str,
+                   content: bytes, headers: Mapping[str, str], timeout: httpx.Timeout
+                   ) -> StreamResponse | httpx.Response:
+    """POST a decode leg and return its opened answer: through `streams` when the app has
+    one, else httpx (the same interface either way)."""
+    if streams is not None:
+        return await streams.post(url, content, headers, timeout)
+    req = client.build_request("POST", url, content=content, headers=dict(headers),
+                               timeout=timeout)
+    return await client.send(req, stream=True)
+
+
+LegResponse = StreamResponse | httpx.Response
+"""An opened decode answer, whichever client opened it."""
