@@ -33,6 +33,16 @@ OPERATOR = {OPERATOR_TOKEN_HEADER: OPERATOR_TOKEN}
 """Headers of a request from the deployment's operator: it sees which engines served it."""
 
 
+def engine_name(router: str, engine: str) -> str:
+    """The name the router at `router` gives the engine at `engine` in its metrics (only
+    the operator's /health maps names to URLs)."""
+    import httpx
+
+    view = httpx.get(router + "/health", headers=OPERATOR, timeout=10, trust_env=False).json()
+    return next(e["name"] for role in ("prefill", "decode") for e in view[role]
+                if e["url"] == engine)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range (engines bind it
     tens of seconds later), and procs.PORT_GAP (8) from every other port handed out in

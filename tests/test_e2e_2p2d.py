@@ -27,6 +27,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 from helpers_2p2d import EXTRA, SPREAD_JOBS, Cluster, send, start_cluster
+from helpers_http import engine_name
 from helpers_reuse import expected_reuse, out_tokens, reused_of
 from stack import (
     FAILURE_EVENTS,
@@ -190,7 +191,7 @@ def test_a_killed_prefill_leaves_the_other_to_serve(cluster):
         assert headers["x-kvferry-prefill"] == live.url, (mode, headers)
         assert_same_output(resp, cluster.colocated(toks))
     assert _router_metric(cluster, "kvferry_router_ejections_total", role="prefill",
-                          upstream=victim.url) == 1
+                          upstream=engine_name(cluster.router, victim.url)) == 1
     retried = _router_metric(cluster, "kvferry_router_retries_total", leg="prefill") - retries0
     assert retried <= 1  # at most the first leg that met the dead P; none after ejection
     for e in cluster.decodes + [live]:

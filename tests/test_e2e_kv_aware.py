@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from fastapi import FastAPI
-from helpers_http import OPERATOR, free_port, serve
+from helpers_http import OPERATOR, engine_name, free_port, serve
 from stack import (
     ROUTERS,
     STARTUP_S,
@@ -129,4 +129,5 @@ def test_turns_land_on_the_prefill_holding_their_prefix(cluster: Cluster):
     assert metric(c, "kvferry_router_kv_aware_choices_total", result="match") == 6
     assert metric(c, "kvferry_router_kv_aware_matched_tokens_total") >= 6 * 4 * BS
     for p in c.prefills:
-        assert metric(c, "kvferry_router_kv_events_total", prefill=p.url, result="ok") > 0
+        assert metric(c, "kvferry_router_kv_events_total", prefill=engine_name(c.url, p.url),
+                      result="ok") > 0

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fleet_stack import RedisServer, RouterProcess, wait_for
-from helpers_http import OPERATOR
+from helpers_http import OPERATOR, engine_name
 from helpers_reuse import expected_reuse, out_tokens
 from stack import (
     STARTUP_S,
@@ -272,16 +272,17 @@ def test_killed_decode_restarted_is_readmitted_and_gets_work(fleet: Fleet) -> No
     """After the previous test's SIGKILL: the same D started again on its port answers
     the routers' probes, is re-admitted, and serves requests again (colocated answers)."""
     dead = next(e for e in (fleet.d0, fleet.d1) if not e.child.group_alive())
+    name = engine_name(fleet.b.url, dead.url)
     assert fleet.b.metric("kvferry_router_upstream_healthy", role="decode",
-                          upstream=dead.url) == 0
+                          upstream=name) == 0
     back0 = fleet.b.metric("kvferry_router_readmissions_total", role="decode",
-                           upstream=dead.url)
+                           upstream=name)
     dead.child.start()  # same command line, port and side channel
     wait_healthy([dead.child], STARTUP_S)
     wait_for(lambda: fleet.b.metric("kvferry_router_upstream_healthy", role="decode",
-                                    upstream=dead.url) == 1, 30, "D re-admitted")
+                                    upstream=name) == 1, 30, "D re-admitted")
     assert fleet.b.metric("kvferry_router_readmissions_total", role="decode",
-                          upstream=dead.url) == back0 + 1
+                          upstream=name) == back0 + 1
     served = [turn(fleet.b, fleet, prompt(200, 60 + i), None)[1]["x-kvferry-decode"]
               for i in range(2)]  # least in flight, ties round-robin: one goes to it
     assert dead.url in served, served

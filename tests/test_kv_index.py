@@ -112,7 +112,7 @@ def test_subscriber_reads_vllm_s_own_publisher():
                                   lora_id=None, medium="GPU", lora_name=None, group_idx=0)
 
     async def go() -> None:
-        sub = KvEventSubscriber(index, metrics)
+        sub = KvEventSubscriber(index, metrics, {"http://p": "prefill-0"})
         task = asyncio.create_task(sub.run({"http://p": f"tcp://127.0.0.1:{port}"}))
         try:
             end = time.monotonic() + 10
@@ -134,12 +134,12 @@ def test_subscriber_reads_vllm_s_own_publisher():
     finally:
         pub.shutdown()
     assert metrics.registry.get_sample_value("kvferry_router_kv_index_blocks",
-                                             {"prefill": "http://p"}) == 1
+                                             {"prefill": "prefill-0"}) == 1
 
 
 def test_a_restarted_engine_starts_empty_and_gaps_are_counted():
     index, metrics = PrefixIndex(), RouterMetrics()
-    sub = KvEventSubscriber(index, metrics)
+    sub = KvEventSubscriber(index, metrics, {"p": "prefill-0"})
     import msgspec
 
     def frame(seq: int, *events: dict) -> list[bytes]:
@@ -149,12 +149,12 @@ def test_a_restarted_engine_starts_empty_and_gaps_are_counted():
     sub.handle("p", frame(3, stored([b"h1"], b"h0", TOKS[4:8])))
     assert index.matched_tokens("p", TOKS) == 8
     assert metrics.registry.get_sample_value("kvferry_router_kv_events_total",
-                                             {"prefill": "p", "result": "gap"}) == 2
+                                             {"prefill": "prefill-0", "result": "gap"}) == 2
     sub.handle("p", frame(0))  # sequence restarted: a new engine process
     assert index.matched_tokens("p", TOKS) == 0
     sub.handle("p", [b"only one frame"])
     assert metrics.registry.get_sample_value("kvferry_router_kv_events_total",
-                                             {"prefill": "p", "result": "malformed"}) == 1
+                                             {"prefill": "prefill-0", "result": "malformed"}) == 1
     sub.close()
 
 

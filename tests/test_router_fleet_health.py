@@ -51,8 +51,10 @@ def test_ejection_and_readmission(stack) -> None:
     wait_for(lambda: pool.get(d1url).state == "healthy", what="D1 healthy")  # not starting
     flag["sick"] = True
     wait_for(lambda: not pool.get(d1url).healthy, what="D1 ejected")
-    assert metric(app, "kvferry_router_ejections_total", role="decode", upstream=d1url) == 1
-    assert metric(app, "kvferry_router_upstream_healthy", role="decode", upstream=d1url) == 0
+    assert metric(app, "kvferry_router_ejections_total", role="decode",
+                  upstream=app.state.pools["decode"].name_of(d1url)) == 1
+    assert metric(app, "kvferry_router_upstream_healthy", role="decode",
+                  upstream=app.state.pools["decode"].name_of(d1url)) == 0
     health = httpx.get(url + "/health", trust_env=False, headers=OPERATOR).json()
     assert health["decode"][1]["state"] == "ejected"
     seen = len(d1.received)
@@ -62,7 +64,8 @@ def test_ejection_and_readmission(stack) -> None:
 
     flag["sick"] = False
     wait_for(lambda: pool.get(d1url).healthy, what="D1 re-admitted")
-    assert metric(app, "kvferry_router_readmissions_total", role="decode", upstream=d1url) == 1
+    assert metric(app, "kvferry_router_readmissions_total", role="decode",
+                  upstream=app.state.pools["decode"].name_of(d1url)) == 1
     n = fleet.probes
     wait_for(lambda: fleet.probes > n)
     for _ in range(4):
@@ -85,7 +88,8 @@ def test_passive_failures_eject(stack) -> None:
     # The first request chose the dead P (ties start at the first), failed before any
     # byte reached the client, and was retried once on P1; then the dead P was ejected.
     assert metric(app, "kvferry_router_retries_total", leg="prefill", mode="pull") == 1
-    assert metric(app, "kvferry_router_ejections_total", role="prefill", upstream=dead) == 1
+    assert metric(app, "kvferry_router_ejections_total", role="prefill",
+                  upstream=app.state.pools["prefill"].name_of(dead)) == 1
     assert len(p1.received) == 4
 
 

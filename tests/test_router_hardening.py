@@ -262,6 +262,11 @@ def test_clients_see_no_engine_identity_operators_do(stack: ExitStack) -> None:
     deep = httpx.get(url + "/health?deep=true", headers=OPERATOR, trust_env=False).json()
     assert deep["status"] == "ok" and deep["prefill"][0]["healthy"] is True
     assert deep["decode"][0]["url"].startswith("http://127.0.0.1:")
+    assert (deep["prefill"][0]["name"], deep["decode"][0]["name"]) == ("prefill-0", "decode-0")
+    # /metrics is on the client port too: engines appear by name, never by address
+    text = httpx.get(url + "/metrics", trust_env=False).text
+    assert 'upstream="decode-0"' in text and 'upstream="prefill-0"' in text
+    assert "127.0.0.1" not in text and "http://" not in text
 
 
 def test_error_messages_name_no_engine(stack: ExitStack) -> None:
@@ -500,15 +505,15 @@ def test_engines_start_as_starting_not_ejected(stack: ExitStack) -> None:
 
     time.sleep(0.5)  # ten probes failed
     assert state() == "starting"
-    assert metric(url, "kvferry_router_upstream_healthy", role="decode", upstream=durl) == 0
+    assert metric(url, "kvferry_router_upstream_healthy", role="decode", upstream="decode-0") == 0
     up["ready"] = True
     deadline = time.monotonic() + 5
     while state() != "healthy":
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert metric(url, "kvferry_router_ejections_total", role="decode", upstream=durl) is None
-    assert metric(url, "kvferry_router_readmissions_total", role="decode", upstream=durl) is None
-    assert metric(url, "kvferry_router_upstream_healthy", role="decode", upstream=durl) == 1
+    assert metric(url, "kvferry_router_ejections_total", role="decode", upstream="decode-0") is None
+    assert metric(url, "kvferry_router_readmissions_total", role="decode", upstream="decode-0") is None
+    assert metric(url, "kvferry_router_upstream_healthy", role="decode", upstream="decode-0") == 1
 
 
 def test_k8s_launch_turns_router_keys_on(tmp_path: Path) -> None:

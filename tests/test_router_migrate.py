@@ -253,7 +253,7 @@ def test_dead_decode_mid_stream_continues_token_for_token(fleet, mode: str) -> N
     assert metric(app, "kvferry_router_migrations_total", result="ok") == 1
     assert metric(app, "kvferry_router_migrated_tokens_total") == 4
     assert metric(app, "kvferry_router_upstream_in_flight", role="decode",
-                  upstream=app.state.pools["decode"].upstreams[0].url) == 0
+                  upstream=app.state.pools["decode"].upstreams[0].name) == 0
 
 
 def test_chat_continues_as_chat_with_usage_and_ids(fleet) -> None:
@@ -512,7 +512,7 @@ def test_push_first_token_mismatch_continues_from_p_token(fleet) -> None:
     assert metric(app, "kvferry_router_first_token_total", result="mismatch") == 1
     assert metric(app, "kvferry_router_migrations_total", result="ok") == 1
     assert metric(app, "kvferry_router_upstream_healthy", role="decode",
-                  upstream=app.state.pools["decode"].upstreams[0].url) == 1
+                  upstream=app.state.pools["decode"].upstreams[0].name) == 1
 
 
 @pytest.mark.parametrize("extra", [{"temperature": 0.7}, {}, {"temperature": 0, "stop": ["t"]},

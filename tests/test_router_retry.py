@@ -88,8 +88,10 @@ def test_refused_decode_leg_goes_to_another_decode(stack: ExitStack, stream: boo
     assert metric(app, "kvferry_router_retries_total", leg="decode", mode="pull") == 1
     assert exposed(url, "kvferry_router_retries_total", leg="decode", mode="pull") == 1
     # One refusal ejected the dead D (not eject_after=3 of them); the request did not fail.
-    assert metric(app, "kvferry_router_ejections_total", role="decode", upstream=dead) == 1
-    assert metric(app, "kvferry_router_upstream_healthy", role="decode", upstream=dead) == 0
+    assert metric(app, "kvferry_router_ejections_total", role="decode",
+                  upstream=app.state.pools["decode"].name_of(dead)) == 1
+    assert metric(app, "kvferry_router_upstream_healthy", role="decode",
+                  upstream=app.state.pools["decode"].name_of(dead)) == 0
     assert metric(app, "kvferry_router_errors_total", endpoint="completions", leg="decode",
                   kind="connect") == 0
     r = post(url, body)  # the ejected D gets no more work: no second retry
@@ -107,7 +109,8 @@ def test_every_decode_refusing_is_a_502_after_each_was_tried_once(stack: ExitSta
     assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
     assert metric(app, "kvferry_router_retries_total", leg="decode", mode="pull") == 1
     for d in dead:  # each tried once: each refused once, each ejected
-        assert metric(app, "kvferry_router_ejections_total", role="decode", upstream=d) == 1
+        assert metric(app, "kvferry_router_ejections_total", role="decode",
+                  upstream=app.state.pools["decode"].name_of(d)) == 1
     # Every D ejected: the pool still tries one (better than refusing for sure), but a
     # retry only goes to a healthy D; there is none, so no retry.
     assert post(url).status_code == 502
@@ -149,7 +152,8 @@ def test_refused_prefills_are_each_tried_once_a_failing_one_once_only(stack: Exi
     assert r.status_code == 200 and r.headers["x-kvferry-prefill"] == lurl
     assert metric(app, "kvferry_router_retries_total", leg="prefill", mode="pull") == 2
     for u in dead:
-        assert metric(app, "kvferry_router_ejections_total", role="prefill", upstream=u) == 1
+        assert metric(app, "kvferry_router_ejections_total", role="prefill",
+                  upstream=app.state.pools["prefill"].name_of(u)) == 1
 
     # A refusing P, then one that saw the request and failed (503): retried once more.
     url, app = router(stack, prefill_urls=[dead[0], surl, lurl], decode_urls=[durl])
@@ -206,7 +210,8 @@ def test_push_refused_decode_leg_goes_to_another_decode(stack: ExitStack, stream
         assert r.json()["choices"][0]["text"] == "d1 answer"
         assert float(r.headers["x-kvferry-prefill-ms"]) > 0  # P's report, once P answered
     assert metric(app, "kvferry_router_retries_total", leg="decode", mode="push") == 1
-    assert metric(app, "kvferry_router_ejections_total", role="decode", upstream=dead) == 1
+    assert metric(app, "kvferry_router_ejections_total", role="decode",
+                  upstream=app.state.pools["decode"].name_of(dead)) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

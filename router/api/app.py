@@ -122,7 +122,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
                 loops.append(_every(5.0, conversations.refresh_size))
             if kv_index is not None:
                 loops.append(subscribe(kv_index, metrics, dict(zip(
-                    settings.prefill_urls, settings.prefill_kv_events, strict=True))))
+                    settings.prefill_urls, settings.prefill_kv_events, strict=True)),
+                    {u: prefill.name_of(u) for u in settings.prefill_urls}))
             tasks = [asyncio.create_task(c) for c in loops]
             yield
             for task in tasks:
@@ -241,7 +242,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
             return JSONResponse({"status": status}, status_code=code)
 
         def view(pool: UpstreamPool) -> list[dict[str, Any]]:
-            return [{"url": u.url, "in_flight": u.in_flight, "state": u.state}
+            return [{"name": u.name, "url": u.url, "in_flight": u.in_flight,
+                     "state": u.state}
                     for u in pool.upstreams]
 
         out: dict[str, Any] = {"status": status, "prefill": view(prefill), "decode": view(decode)}

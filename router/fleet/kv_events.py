@@ -49,31 +49,34 @@ def decode_batch(payload: bytes) -> list[Any] | None:
 class KvEventSubscriber:
     """One SUB socket per P endpoint; batches are applied to `index` as they arrive."""
 
-    def __init__(self, index: PrefixIndex, metrics: RouterMetrics) -> None:
+    def __init__(self, index: PrefixIndex, metrics: RouterMetrics,
+                 names: Mapping[str, str]) -> None:
         self.index = index
         self.metrics = metrics
+        self._names = names  # P URL -> its name in metrics (never its address)
         self._last_seq: dict[str, int] = {}
         self._ctx = zmq.asyncio.Context()
 
     def handle(self, url: str, frames: list[bytes]) -> None:
         """One received message from the P at `url`."""
+        name = self._names[url]
         if len(frames) != 3 or len(frames[1]) != 8:
-            self.metrics.kv_events.labels(prefill=url, result="malformed").inc()
+            self.metrics.kv_events.labels(prefill=name, result="malformed").inc()
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
         last = self._last_seq.get(url)
         if last is not None and seq <= last:
             self.index.engine(url).cleared()  # the engine restarted: its cache is empty
         elif last is not None and seq > last + 1:
-            self.metrics.kv_events.labels(prefill=url, result="gap").inc(seq - last - 1)
+            self.metrics.kv_events.labels(prefill=name, result="gap").inc(seq - last - 1)
         self._last_seq[url] = seq
         events = decode_batch(frames[2])
         if events is None:
-            self.metrics.kv_events.labels(prefill=url, result="malformed").inc()
+            self.metrics.kv_events.labels(prefill=name, result="malformed").inc()
             return
         self.index.apply(url, events)
-        self.metrics.kv_events.labels(prefill=url, result="ok").inc(len(events))
-        self.metrics.kv_index_blocks.labels(prefill=url).set(len(self.index.engine(url)))
+        self.metrics.kv_events.labels(prefill=name, result="ok").inc(len(events))
+        self.metrics.kv_index_blocks.labels(prefill=name).set(len(self.index.engine(url)))
 
     async def run(self, endpoints: Mapping[str, str]) -> None:
         """Receive until cancelled. `endpoints`: P URL -> ``tcp://host:port``."""
@@ -111,9 +114,9 @@ def prompt_tokens(body: Mapping[str, Any]) -> list[int] | None:
 
 
 async def subscribe(ctx_index: PrefixIndex, metrics: RouterMetrics,
-                    endpoints: Mapping[str, str]) -> None:
+                    endpoints: Mapping[str, str], names: Mapping[str, str]) -> None:
     """The app's subscription loop (started in its lifespan when endpoints are given)."""
-    sub = KvEventSubscriber(ctx_index, metrics)
+    sub = KvEventSubscriber(ctx_index, metrics, names)
     try:
         await sub.run(endpoints)
     except asyncio.CancelledError:

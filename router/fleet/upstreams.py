@@ -41,6 +41,7 @@ class Upstream:
     """One engine's base URL and the requests the router currently has open on it."""
 
     url: str
+    name: str = ""  # what /metrics and operators call it (`UpstreamPool.name_of`)
     in_flight: int = 0
     healthy: bool = True
     failures: int = 0  # consecutive
@@ -66,7 +67,8 @@ class UpstreamPool:
             raise ValueError(f"{role} pool needs at least one URL")
         self.role = role
         self._starting = starting  # engines start as "starting" (health probes on)
-        self.upstreams = [Upstream(url, starting=starting) for url in urls]
+        self._names: dict[str, str] = {}
+        self.upstreams = [self._new(url) for url in urls]
         self.eject_after = eject_after
         self._next = 0
         self._gauge = gauge
@@ -92,6 +94,18 @@ class UpstreamPool:
         self._next = (self.upstreams.index(best) + 1) % n
         return best
 
+    def name_of(self, url: str) -> str:
+        """The engine's name: its role and the order the router first saw it in
+        (``decode-0``, ``decode-1``; an engine that leaves and comes back keeps its name).
+        Metrics carry names, never addresses: /metrics is served on the client port, and
+        only the operator's /health maps names to URLs."""
+        if (name := self._names.get(url)) is None:
+            name = self._names[url] = f"{self.role}-{len(self._names)}"
+        return name
+
+    def _new(self, url: str) -> Upstream:
+        return Upstream(url, self.name_of(url), starting=self._starting)
+
     def get(self, url: str) -> Upstream | None:
         return next((u for u in self.upstreams if u.url == url), None)
 
@@ -110,8 +124,7 @@ class UpstreamPool:
         have = {u.url: u for u in self.upstreams}
         added = [u for u in urls if u not in have]
         removed = [u for u in have if u not in urls]
-        self.upstreams = [have.get(u) or Upstream(u, starting=self._starting)
-                          for u in dict.fromkeys(urls)]
+        self.upstreams = [have.get(u) or self._new(u) for u in dict.fromkeys(urls)]
         self._next = 0
         for url in removed:
             self._forget(url)
@@ -138,7 +151,7 @@ class UpstreamPool:
             return False
         up.healthy = False
         if self._metrics is not None:
-            self._metrics.ejections.labels(role=self.role, upstream=up.url).inc()
+            self._metrics.ejections.labels(role=self.role, upstream=up.name).inc()
         self._set_health_gauges()
         return True
 
@@ -153,7 +166,7 @@ class UpstreamPool:
             return False
         up.healthy = True
         if self._metrics is not None and up in self.upstreams:
-            self._metrics.readmissions.labels(role=self.role, upstream=up.url).inc()
+            self._metrics.readmissions.labels(role=self.role, upstream=up.name).inc()
         self._set_health_gauges()
         return True
 
@@ -162,14 +175,14 @@ class UpstreamPool:
             return
         self._metrics.upstreams.labels(role=self.role).set(len(self.upstreams))
         for up in self.upstreams:
-            self._metrics.upstream_healthy.labels(role=self.role, upstream=up.url).set(
+            self._metrics.upstream_healthy.labels(role=self.role, upstream=up.name).set(
                 1 if up.serving else 0)
 
     def _forget(self, url: str) -> None:
         for gauge in (self._gauge, self._metrics and self._metrics.upstream_healthy):
             if gauge is not None:
                 with suppress(KeyError):
-                    gauge.remove(self.role, url)
+                    gauge.remove(self.role, self.name_of(url))
 
     def choose_sticky(self, preferred: str | None) -> Upstream:
         """`preferred` (where a conversation's KV is) unless it is gone or overloaded."""
@@ -201,7 +214,7 @@ class UpstreamPool:
 
     def _set_gauge(self, up: Upstream) -> None:
         if self._gauge is not None and up in self.upstreams:
-            self._gauge.labels(role=self.role, upstream=up.url).set(up.in_flight)
+            self._gauge.labels(role=self.role, upstream=up.name).set(up.in_flight)
 
 
 def choose_decode(
