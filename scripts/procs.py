@@ -23,8 +23,22 @@ import httpx
 PORT_GAP = 8
 """Ports `free_port` hands out stay this far apart: an engine also binds port + TP rank."""
 
+PORT_RANGE_ENV = "KVFERRY_PORT_RANGE"
+"""``LO-HI``: `free_port` picks in [LO, HI) instead of 20000 up to the ephemeral range
+(a host whose firewall opens a range; test workers that must never pick each other's
+ports, whose children bind tens of seconds after the pick)."""
 
-def _ephemeral_low() -> int:
+
+def _port_range() -> tuple[int, int]:
+    if spec := os.environ.get(PORT_RANGE_ENV):
+        lo, _, hi = spec.partition("-")
+        if not (lo.isdigit() and hi.isdigit() and 1024 <= int(lo) < int(hi) <= 65536):
+            raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected LO-HI, 1024 <= LO < HI")
+        return int(lo), int(hi)
+    return 20000, ephemeral_low() - PORT_GAP
+
+
+def ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])
@@ -33,16 +47,16 @@ def _ephemeral_low() -> int:
 
 
 def free_port(taken: set[int]) -> int:
-    """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range and at least
-    PORT_GAP away from every port in ``taken`` (to which it is added).
+    """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range (or in
+    `PORT_RANGE_ENV`'s) and at least PORT_GAP away from every port in ``taken`` (to which it is added).
 
     Children bind it seconds later (engines: tens of seconds); an OS-picked (ephemeral)
     port can be taken by then by any process's outgoing connection or ZMQ socket (CI lost
     a run to "Address already in use" on a side channel)."""
     rng = random.Random()
-    hi = _ephemeral_low() - PORT_GAP
+    lo, hi = _port_range()
     for _ in range(1000):
-        port = rng.randrange(20000, hi)
+        port = rng.randrange(lo, hi)
         if any(abs(port - t) < PORT_GAP for t in taken):
             continue
         with socket.socket() as s:
@@ -52,7 +66,7 @@ def free_port(taken: set[int]) -> int:
                 continue
         taken.add(port)
         return port
-    raise RuntimeError("no free TCP port below the ephemeral range")
+    raise RuntimeError(f"no free TCP port in [{lo}, {hi})")
 
 
 class StartupError(RuntimeError):

@@ -31,3 +31,18 @@ def test_free_ports_are_bindable_below_the_ephemeral_range_and_apart() -> None:
 def test_the_tests_picker_keeps_its_ports_apart_process_wide() -> None:
     a, b = helpers_http.free_port(), helpers_http.free_port()
     assert {a, b} <= helpers_http._GIVEN and abs(a - b) >= procs.PORT_GAP
+
+
+def test_a_port_range_from_the_environment_bounds_the_picks(monkeypatch) -> None:
+    """KVFERRY_PORT_RANGE: each pytest-xdist worker (conftest) and what it starts pick in a
+    slice of their own, so one worker never takes a port another's engine is about to bind."""
+    import pytest
+
+    monkeypatch.setenv(procs.PORT_RANGE_ENV, "24000-25000")
+    taken: set[int] = set()
+    ports = [procs.free_port(taken) for _ in range(10)]
+    assert all(24000 <= p < 25000 for p in ports)
+    for bad in ("24000", "100-200", "25000-24000", "a-b"):
+        monkeypatch.setenv(procs.PORT_RANGE_ENV, bad)
+        with pytest.raises(ValueError, match=procs.PORT_RANGE_ENV):
+            procs.free_port(set())
