@@ -27,7 +27,10 @@ class EngineInfo:
 
 
 class RouterSettings(BaseModel):
-    """Upstreams, transfer mode and timeouts for one router process."""
+    """Upstreams, transfer mode and timeouts for one router process.
+
+    One declaration per setting, each with its bound and the text `--help` shows: runs of
+    fields of the same shape are declarations, not repeated logic."""
 
     prefill_urls: list[str] = Field(description="Base URLs of prefill engines (static).")
     decode_urls: list[str] = Field(description="Base URLs of decode engines (static).")

@@ -92,6 +92,8 @@ def _row(rec: Recommendation, load: Load, slo: Slo) -> dict[str, Any]:
             "itl_ms_p90": round(e.itl_p90_s * 1000, 2), "reasons": rec.reasons}
 
 
+# typer options are declared per command (typer reads them from the signature), so this
+# one's `Annotated[..., typer.Option(help=...)]` lines share a shape with `bench`'s.
 def plan_command(
     metrics: Annotated[list[str] | None, typer.Option(
         help="ROLE=URL_OR_FILE of a router's or engine's /metrics (ROLE: router, prefill, "

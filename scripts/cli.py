@@ -265,6 +265,9 @@ def up(
         dry_run=dry_run, state=state, share_device_gib=share_device))
 
 
+# `run` repeats most of `up`'s parameters on purpose: typer reads a command's options from
+# its own signature, and `run` (the README's one-command quick start) is `up --demo` with
+# the options a demo run needs; its body only forwards them to the same `up_stack`.
 @app.command(context_settings=EXTRA)
 def run(
     ctx: typer.Context,

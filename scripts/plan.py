@@ -28,7 +28,9 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """One vLLM server: where it runs (``spec.side_host``), what it owns, how it starts."""
+    """One vLLM server: where it runs (``spec.side_host``), what it owns, how it starts.
+    (The one-line properties below name `spec`'s fields as a plan reads them; they share a
+    shape, not logic.)"""
 
     index: int  # within its role
     spec: EngineSpec
