@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import pytest
 from helpers_http import closed_port_url, serve
+from helpers_sse import strict_events
 from stack import (
     ROUTERS,
     assert_no_engine_fields,
@@ -75,6 +76,23 @@ def test_pd_output_equals_colocated(stack):
         assert stack.decode.transferred_tokens() - before == n, "D must load every prompt token"
     wait_until(lambda: stack.prefill.kv_usage() == 0, 30, "P to free all blocks after D's reads")
     assert stack.decode.kv_usage() == 0
+
+
+def test_streams_carry_only_vllms_events(stack):
+    """Chat and completions streams through the router from real engines, with usage asked
+    for and not: every event one vLLM could send, the usage chunk last (helpers_sse)."""
+    messages = [{"role": "user", "content": "Tell me about the ferry. " * 10}]
+    for chat in (False, True):
+        for usage in (False, True):
+            body = {"model": stack.model, "max_tokens": 5, "temperature": 0, "stream": True,
+                    **({"messages": messages} if chat else {"prompt": prompt(300, 40)}),
+                    **({"stream_options": {"include_usage": True}} if usage else {})}
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            r = httpx.post(stack.router + path, json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            events = strict_events(r.text, chat, usage, completion_tokens=5)
+            assert len({ev["id"] for ev in events}) == 1
+    wait_until(lambda: stack.prefill.kv_usage() == 0, 30, "P to free all blocks after D's reads")
 
 
 def test_chat_stream_through_router(stack):

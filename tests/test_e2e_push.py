@@ -17,6 +17,7 @@ import uuid
 
 import httpx
 import pytest
+from helpers_sse import strict_events
 from stack import (
     STARTUP_S,
     assert_same_output,
@@ -167,6 +168,20 @@ def test_push_through_router(stack):
         assert settled_writes([stack.prefill], before, 1) == 1
     wait_until(lambda: stack.prefill.kv_usage() == 0, 20, "P to free after the WRITEs")
     assert stack.decode.kv_usage() == 0
+
+
+def test_push_streams_carry_only_vllms_events(stack):
+    """Push streams from real engines (P's first token spliced in front of D's stream):
+    every event one vLLM could send, the usage chunk last (helpers_sse)."""
+    for usage in (False, True):
+        body = {"model": stack.model, "prompt": prompt(300, 41), "max_tokens": 5,
+                "temperature": 0, "stream": True,
+                **({"stream_options": {"include_usage": True}} if usage else {})}
+        r = httpx.post(stack.router + "/v1/completions", json=body, timeout=120,
+                       headers={"x-kvferry-mode": "push"})
+        assert r.status_code == 200, r.text
+        events = strict_events(r.text, chat=False, usage=usage, completion_tokens=5)
+        assert len({ev["id"] for ev in events}) == 1
 
 
 def test_push_stream_first_token_from_prefill(stack):

@@ -18,6 +18,7 @@ import msgspec
 import openai
 import pytest
 from helpers_http import OPERATOR, FakeEngine, closed_port_url, free_port, serve
+from helpers_sse import strict_events
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvferry.connectors.protocol import send_release
@@ -338,32 +339,6 @@ def test_tenant_is_the_keys_id(tmp_path: Path) -> None:
 
 # -- item 5: push streams: only events vLLM could send -----------------------------------
 
-def strict_events(text: str, chat: bool, usage: bool) -> list[dict[str, Any]]:
-    """Parse an SSE body as a strict client of vLLM's format: every `data:` event before
-    `[DONE]` is a chunk with id, object, created, model and a non-empty choices list, but
-    for the usage chunk (asked for only), which is the last one."""
-    events, done = [], False
-    for line in text.splitlines():
-        if not line.startswith("data:"):
-            assert line == "" or line.startswith(":"), line  # blank separators, comments
-            continue
-        assert not done, "an event after [DONE]"
-        data = line[5:].strip()
-        if data == "[DONE]":
-            done = True
-            continue
-        ev = json.loads(data)
-        assert ev["object"] == ("chat.completion.chunk" if chat else "text_completion"), ev
-        assert {"id", "created", "model", "choices"} <= set(ev), ev
-        events.append(ev)
-    assert done
-    empty = [i for i, ev in enumerate(events) if not ev["choices"]]
-    assert empty == ([len(events) - 1] if usage else []), events
-    if usage:
-        assert events[-1]["usage"]["completion_tokens"] == 3
-    return events
-
-
 @pytest.mark.parametrize("usage", [False, True])
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -390,7 +365,7 @@ def test_streams_carry_only_vllms_events(stack: ExitStack, mode: str, chat: bool
     body = ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
     r = post(url, {"model": "tiny", "max_tokens": 3, "stream": True, **body, **kw}, OPERATOR,
              path=path)
-    strict_events(r.text, chat, usage)
+    strict_events(r.text, chat, usage, completion_tokens=3)
     reports = [x for ln in r.text.splitlines() if (x := parse_report_comment(ln)) is not None]
     if mode == "push":  # P's report rides D's stream as a comment, for the operator only
         assert len(reports) == 1 and reports[0]["kvferry_prefill_ms"] >= 0
