@@ -40,6 +40,8 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Load:
+    """The offered load a plan is for: rate and mean request shape."""
+
     qps: float
     prompt_tokens: float  # mean per request
     answer_tokens: float  # mean per request
@@ -53,12 +55,16 @@ class Load:
 
 @dataclass(frozen=True)
 class Slo:
+    """The p90 targets a plan must hold (seconds)."""
+
     ttft_s: float  # p90
     itl_s: float  # p90
 
 
 @dataclass
 class Estimate:
+    """What the model says one P/D split does under a load."""
+
     prefill: int
     decode: int
     ttft_p90_s: float  # inf: the prefill queue grows without bound
@@ -72,6 +78,8 @@ class Estimate:
 
 @dataclass
 class Recommendation:
+    """The split `plan` recommends, whether it fits the engine budget, and why."""
+
     estimate: Estimate
     fits: bool  # within the engine budget
     reasons: list[str] = field(default_factory=list)

@@ -24,7 +24,7 @@ PD_MODES = ("push", "pull")
 
 
 class CalibrationError(ValueError):
-    pass
+    """The results hold no usable rows of this model and accelerator to calibrate from."""
 
 
 def _family(hardware: str) -> str:

@@ -20,7 +20,7 @@ ROLES = ("router", "prefill", "decode")
 
 
 class MetricsError(ValueError):
-    pass
+    """Two scrapes a load cannot be derived from (too close, a counter reset, no traffic)."""
 
 
 def _samples(texts: list[str]) -> dict[str, float]:

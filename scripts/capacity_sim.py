@@ -41,6 +41,8 @@ class _Decode:
 
 @dataclass(frozen=True)
 class SimResult:
+    """What one simulated run of a P/D split measured."""
+
     prefill: int
     decode: int
     requests: int  # measured (arrived after the warm-up)

@@ -48,6 +48,8 @@ BACKOFF_S = 1.0  # a client whose connection failed waits this long before its n
 
 @dataclass
 class Books:
+    """Everything a chaos run checks at its end: outcomes, leaks, crashes, RSS, violations."""
+
     outcomes: list[Outcome] = field(default_factory=list)
     leaked: dict[str, float] = field(default_factory=dict)  # engine -> blocks not freed
     crashes: list[str] = field(default_factory=list)

@@ -51,6 +51,8 @@ KINDS = (*PROCESS, *HOOKS, *REQUESTS)
 
 @dataclass
 class FaultEvent:
+    """One injected fault: when, on what, and the requests that met it."""
+
     kind: str
     t0: float
     t1: float = 0.0
@@ -115,6 +117,8 @@ def schedule(seed: int, duration_s: float, every_s: float = 10.0) -> list[tuple[
 
 
 class Injector:
+    """Injects the plan's faults into a running chaos stack, one window at a time."""
+
     def __init__(self, stack: ChaosStack, work: Workload, plan: Plan, seed: int,
                  record: Callable[[Outcome], None], startup_s: float) -> None:
         self.stack, self.work, self.plan, self.record = stack, work, plan, record

@@ -57,6 +57,8 @@ class Item:
 
 @dataclass
 class Outcome:
+    """How one request of the workload ended, checked against its reference."""
+
     item: Item
     kind: str  # ok | error | wrong | hang | truncated | conn_error
     status: int
@@ -190,11 +192,15 @@ def classify(item: Item, status: int, raw: str) -> tuple[str, int, str]:
 
 @dataclass
 class Conversation:
+    """Turns sent one after another, each continuing the one before."""
+
     turns: list[Item]
 
 
 @dataclass
 class Workload:
+    """The seeded requests of a chaos run: single requests and conversations."""
+
     singles: list[Item]
     conversations: list[Conversation]
 

@@ -33,6 +33,8 @@ EFA_ENV: dict[str, str] = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1",
 
 @dataclass(frozen=True)
 class InstanceSpec:
+    """An accelerator instance type as the launch plans use it (devices, memory, EFA)."""
+
     name: str
     backend: str  # memory backend: neuron | cuda
     unit: str  # what TP counts: "NeuronCore" | "GPU"

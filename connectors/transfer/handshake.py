@@ -27,7 +27,7 @@ log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 
 class HandshakeError(RuntimeError):
-    pass
+    """A side channel could not bind, or a peer did not answer in time or answered garbage."""
 
 
 class ReplyServer:

@@ -353,6 +353,8 @@ def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
     app = create_app(settings)
 
     class DrainingServer(uvicorn.Server):
+        """uvicorn whose SIGTERM drains: new requests get 503 while open ones finish."""
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if sig == signal.SIGTERM:
                 app.state.draining = True

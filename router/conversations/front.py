@@ -54,6 +54,9 @@ class LeaseUnavailable(RuntimeError):
 
 
 class Conversations:
+    """The router's side of conversations: finds the turn a request continues (by id or by
+    content), asks D for leases and commits what D holds once the turn answered."""
+
     def __init__(self, settings: RouterSettings, metrics: RouterMetrics,
                  secret: bytes = b"") -> None:
         self.settings = settings

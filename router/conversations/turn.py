@@ -16,6 +16,8 @@ from .registry import ConversationEntry
 
 @dataclass
 class Turn:
+    """One request of a conversation, from its arrival to the commit of what D holds."""
+
     tenant: str
     conversation_id: str
     lease_id: str

@@ -51,6 +51,8 @@ TOKENS_PER_CHAR_BOUNDS = (1 / 16, 2.0)
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    """The D-local route's bounds (RouterSettings' d_local_* settings)."""
+
     max_new_tokens: int = 1024
     busy_tokens_per_s: float = 1200.0
     max_in_flight: int = 32
@@ -63,6 +65,8 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class Decision:
+    """Where a turn goes (P/D or D-local), why, and how many new tokens it brings."""
+
     route: Route
     reason: str
     new_tokens: int | None = None
