@@ -25,7 +25,7 @@ PORT_GAP = 8
 
 PORT_RANGE_ENV = "KVFERRY_PORT_RANGE"
 """``LO-HI``: `free_port` picks in [LO, HI) instead of 20000 up to the ephemeral range
-(a host whose firewall opens a range; test workers that must never pick each other's
+(a host whose firewall opens a range; test runs side by side that must never pick each other's
 ports, whose children bind tens of seconds after the pick)."""
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from helpers_http import OPERATOR
-
-from kvferry.scripts import procs
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -49,24 +46,13 @@ def shared_group(item: pytest.Item) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest-xdist
-    if worker:  # each worker, and what it starts, picks ports in a slice of its own
-        n, i = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(worker.removeprefix("gw"))
-        step = (procs.ephemeral_low() - 20000) // n
-        os.environ[procs.PORT_RANGE_ENV] = f"{20000 + i * step}-{20000 + (i + 1) * step - 8}"
     config.addinivalue_line("markers", "shared_stack(name): the module's engines are the "
                             "session's shared pair `name` (tests/shared_stacks.py)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules sharing an engine pair run one after another, from where the first of
-    them was (each module's own order is kept). Under pytest-xdist (`--dist loadgroup`, the
-    README's test command) every engine test is in one group, so they run on one worker in
-    this order and never beside each other (stack.py's CORE_RULE); the other worker takes
-    the unit tests meanwhile."""
-    for item in items:
-        if item.get_closest_marker("engine") is not None:
-            item.add_marker(pytest.mark.xdist_group("engines"))
+    them was (each module's own order is kept)."""
     out: list[pytest.Item] = []
     placed: set[str] = set()
     for item in items:

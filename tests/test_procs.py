@@ -34,8 +34,8 @@ def test_the_tests_picker_keeps_its_ports_apart_process_wide() -> None:
 
 
 def test_a_port_range_from_the_environment_bounds_the_picks(monkeypatch) -> None:
-    """KVFERRY_PORT_RANGE: each pytest-xdist worker (conftest) and what it starts pick in a
-    slice of their own, so one worker never takes a port another's engine is about to bind."""
+    """KVFERRY_PORT_RANGE: .ci/test's two pytest runs, and what they start, pick in ranges of
+    their own, so the unit run never takes a port an engine is about to bind."""
     import pytest
 
     monkeypatch.setenv(procs.PORT_RANGE_ENV, "24000-25000")
