@@ -173,7 +173,8 @@ def test_refused_decode_leg_goes_to_another_decode(stack):
         assert reg.get_sample_value("kvferry_router_retries_total",
                                     {"leg": "decode", "mode": "pull"}) == 1
         assert reg.get_sample_value("kvferry_router_ejections_total",
-                                    {"role": "decode", "upstream": dead}) == 1
+                                    {"role": "decode",
+                                     "upstream": app.state.pools["decode"].name_of(dead)}) == 1
     assert_same_output(got, want)
     assert stack.decode.transferred_tokens() - before == len(toks)
     wait_until(lambda: stack.prefill.kv_usage() == 0, 30, "P to free its blocks after D's READ")

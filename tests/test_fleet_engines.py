@@ -202,12 +202,15 @@ def test_engine_added_through_the_engines_file_gets_work(fleet: Fleet) -> None:
         {"url": fleet.d1.url, "control_addr": f"127.0.0.1:{fleet.d1.control_port}"}]}))
     tmp.replace(fleet.engines_file)
 
-    def decoders(r: RouterProcess) -> list[str]:
+    def serving(r: RouterProcess) -> list[str]:
         return [d["url"] for d in httpx.get(r.url + "/health", timeout=5,
-                                            headers=OPERATOR).json()["decode"]]
+                                            headers=OPERATOR).json()["decode"]
+                if d["state"] == "healthy"]
 
+    # A discovered engine is "starting" (work only when no engine is healthy) until its
+    # first health probe answers: wait for that, not only for the discovery.
     for r in (fleet.a, fleet.b):
-        wait_for(lambda r=r: fleet.d1.url in decoders(r), 10 * DISCOVERY_S, "D1 discovered")
+        wait_for(lambda r=r: fleet.d1.url in serving(r), 10 * DISCOVERY_S, "D1 serving")
     served = []
     for i in range(2):  # least in flight, ties round-robin: one of two goes to D1
         _, headers = turn(fleet.b, fleet, prompt(200, 40 + i), None)
