@@ -25,7 +25,7 @@ from vllm_sources import source_dir
 from kvferry.router.api.app import create_app
 from kvferry.router.conversations.registry import ANONYMOUS
 from kvferry.router.settings import RouterSettings
-from kvferry.router.wire.sse import EngineFieldFilter
+from kvferry.router.wire.sse_filters import EngineFieldFilter
 
 HERE = Path(__file__).parent
 LEASE = "__LEASE_ID__"

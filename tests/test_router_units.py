@@ -10,7 +10,7 @@ from kvferry.router.fleet.upstreams import UpstreamPool
 from kvferry.router.legs.flow import build_legs
 from kvferry.router.settings import RouterSettings
 from kvferry.router.wire import bodies
-from kvferry.router.wire.sse import InsertBeforeDone
+from kvferry.router.wire.sse_filters import InsertBeforeDone
 
 
 def test_sanitize_drops_router_fields_and_copies_the_top_level() -> None:

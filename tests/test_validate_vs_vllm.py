@@ -7,6 +7,7 @@ make turns a good request away, a missed one lets P prefill for a D that will re
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 from kvferry.router.wire import bodies
@@ -50,33 +51,31 @@ def vllm_refuses(endpoint: str, body: dict[str, Any]) -> bool:
 
 
 def cases() -> list[tuple[str, dict[str, Any]]]:
-    out: list[tuple[str, dict[str, Any]]] = []
+    """Each field alone at every value, max_tokens x min_tokens, the stream options, and
+    chat's max_completion_tokens beside max_tokens; None means "not sent"."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {}  # by JSON text: each body once
+
+    def add(endpoint: str, body: dict[str, Any]) -> None:
+        body = {k: v for k, v in body.items() if v is not None}
+        out.setdefault(endpoint + json.dumps(body, sort_keys=True), (endpoint, body))
+
     for endpoint in (bodies.COMPLETIONS, bodies.CHAT):
         base: dict[str, Any] = ({"model": "m", "prompt": list(range(PROMPT_LEN))}
                                 if endpoint == bodies.COMPLETIONS else
                                 {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-        for name, values in FIELDS.items():  # each field alone, every value
+        for name, values in FIELDS.items():
             if endpoint == bodies.CHAT and name == "logprobs":
                 continue  # chat's logprobs is a bool (top_logprobs is the count)
-            out += [(endpoint, {**base, name: v}) for v in values if v is not None]
+            for v in values:
+                add(endpoint, {**base, name: v})
         for mt, mn in itertools.product(FIELDS["max_tokens"][:6], FIELDS["min_tokens"]):
-            out.append((endpoint, {**base, "max_tokens": mt, "min_tokens": mn}))
-        out += [(endpoint, {**base, **s}) for s in STREAMS]
+            add(endpoint, {**base, "max_tokens": mt, "min_tokens": mn})
+        for s in STREAMS:
+            add(endpoint, {**base, **s})
         if endpoint == bodies.CHAT:
-            out += [(endpoint, {**base, "max_completion_tokens": v, "max_tokens": 5})
-                    for v in (0, 1, -2)]
-    return [(e, {k: v for k, v in b.items() if v is not None}) for e, b in cases_dedup(out)]
-
-
-def cases_dedup(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    seen: set[str] = set()
-    out = []
-    for e, b in items:
-        key = e + repr(sorted(b.items(), key=lambda kv: kv[0]))
-        if key not in seen:
-            seen.add(key)
-            out.append((e, b))
-    return out
+            for v in (0, 1, -2):
+                add(endpoint, {**base, "max_completion_tokens": v, "max_tokens": 5})
+    return list(out.values())
 
 
 def test_the_router_refuses_exactly_what_vllm_refuses() -> None:

@@ -95,7 +95,7 @@ def answer_of_json(data: bytes, chat: bool) -> Answer | None:
 
 
 class AnswerCapture:
-    """A `sse.ChunkFilter` that returns its input unchanged and collects the answer.
+    """A `sse_filters.ChunkFilter` that returns its input unchanged and collects the answer.
 
     On the token path it only keeps the chunks (raw bytes) and looks for `[DONE]`; the
     events are parsed once, when `[DONE]` arrives (or the stream ends), not per chunk."""

@@ -21,7 +21,8 @@ from ..fleet.upstreams import Upstream
 from ..wire import bodies
 from ..wire.answers import finish_json, kv_params_of
 from ..wire.headers import HDR_DECODE, HDR_TRANSFER
-from ..wire.sse import EngineFieldFilter, Leg, StreamEvents, UpstreamStream
+from ..wire.sse import Leg, StreamEvents, UpstreamStream
+from ..wire.sse_filters import EngineFieldFilter
 from ..wire.stream_client import LegResponse, open_leg
 from .context import TIMELINE, FlowContext, json_headers, passive, wire_failed
 from .first_token import Head

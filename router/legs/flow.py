@@ -19,7 +19,7 @@ How a request flows (pull):
 4. D's answer goes back to the client (`decode.py`): SSE passed through chunk by chunk,
    or JSON; from both, engine-owned fields (D's own `kv_transfer_params`, which vLLM 0.33
    also streams on the last chunk) are removed (`bodies.ENGINE_FIELDS`,
-   `wire.sse.EngineFieldFilter`).
+   `wire.sse_filters.EngineFieldFilter`).
 
 Push (header `x-kvferry-mode: push` or body `kvferry_mode: "push"`): `push.py`.
 A stream whose D breaks mid-way continues on another pair (`migrate.py`).

@@ -37,7 +37,8 @@ from ..errors import RouterError, from_transport
 from ..fleet.upstreams import Upstream
 from ..wire import bodies
 from ..wire.resume import EventRewriter, Progress, closing_events, continuation_body, unsupported
-from ..wire.sse import ChainedFilter, EngineFieldFilter, Leg
+from ..wire.sse import Leg
+from ..wire.sse_filters import ChainedFilter, EngineFieldFilter
 from ..wire.stream_client import LegResponse, open_leg
 from .context import FlowContext, json_headers, passive, wire_failed
 from .offer_release import release_soon

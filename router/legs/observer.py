@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..fleet.upstreams import Upstream
-from ..wire.sse import ChainedFilter, ChunkFilter
+from ..wire.sse_filters import ChainedFilter, ChunkFilter
 
 
 class DecodeObserver:

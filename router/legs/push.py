@@ -39,7 +39,8 @@ from ..wire.headers import (
     HDR_TRANSFER,
     report_comment,
 )
-from ..wire.sse import InsertBeforeDone, UpstreamStream
+from ..wire.sse import UpstreamStream
+from ..wire.sse_filters import InsertBeforeDone
 from . import first_token
 from .context import TIMELINE, FlowContext
 from .decode import DecodeLeg, choose_decode, send_decode_or_next

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,8 +20,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..errors import RouterError, error_body, from_transport
-from . import bodies
-from .sse_framing import event_ends, last_event_end
+from .sse_filters import DONE, ChunkFilter
 from .stream_client import LegResponse
 
 log = logging.getLogger(__name__)
@@ -32,147 +30,6 @@ def sse_error_event(message: str, status: int, err_type: str) -> bytes:
     """An in-band error event plus [DONE], for failures after headers were sent."""
     payload = json.dumps(error_body(message, status, err_type))
     return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
-
-
-class ChunkFilter(Protocol):
-    """Rewrites the byte stream on its way to the client (may hold bytes back)."""
-
-    def feed(self, chunk: bytes) -> bytes: ...
-
-    def flush(self) -> bytes: ...
-
-
-DONE_EVENT = b"data: [DONE]"
-DONE = b"[DONE]"
-
-
-class InsertBeforeDone:
-    """Inserts `extra()` (when it returns bytes) just before the `data: [DONE]` event.
-
-    Chunk boundaries are arbitrary, so a chunk tail that could be the start of the
-    marker is held back until the next chunk (vLLM's chunks end with a blank line, so in
-    practice nothing is delayed).
-    """
-
-    def __init__(self, extra: Callable[[], bytes | None]) -> None:
-        self._extra = extra
-        self._held = b""
-        self._done = False
-
-    def feed(self, chunk: bytes) -> bytes:
-        data, self._held = self._held + chunk, b""
-        if self._done:
-            return data
-        start = 0
-        while (i := data.find(DONE_EVENT, start)) >= 0:
-            if i == 0 or data[i - 1 : i] == b"\n":
-                self._done = True
-                return data[:i] + (self._extra() or b"") + data[i:]
-            start = i + 1
-        for k in range(min(len(DONE_EVENT) - 1, len(data)), 0, -1):
-            if DONE_EVENT.startswith(data[-k:]):
-                self._held = data[-k:]
-                return data[:-k]
-        return data
-
-    def flush(self) -> bytes:
-        out, self._held = self._held, b""
-        return out
-
-
-_MARKERS = tuple(f'"{k}"'.encode() for k in bodies.ENGINE_FIELDS)
-_MARKER = re.compile(b"|".join(re.escape(m) for m in _MARKERS))
-"""Any engine-owned field's key: one C-level search per chunk on the token path."""
-
-
-class EngineFieldFilter:
-    """Removes engine-owned fields (`bodies.ENGINE_FIELDS`) from every SSE event.
-
-    vLLM 0.33 puts D's `kv_transfer_params` (block ids, host:port, a lease) on the last
-    streamed chunk; passed through, a client would see engine internals. Events are
-    forwarded whole: bytes after the last complete event wait for the rest of it (vLLM
-    ends each chunk with an event, so nothing waits in practice). Events that mention no
-    engine field are forwarded untouched, without parsing. `on_params` receives the first
-    non-empty `kv_transfer_params` seen (D's lease offer, for the conversation registry);
-    `on_done` is called once, just before the `data: [DONE]` event is passed on.
-    """
-
-    def __init__(self, on_params: Callable[[dict], None] | None = None,
-                 on_done: Callable[[], None] | None = None) -> None:
-        self._on_params = on_params
-        self._on_done = on_done
-        self._held = b""
-        self.scrubbed = 0
-        """Events from which a field was removed (a counter tests and metrics read)."""
-
-    def feed(self, chunk: bytes) -> bytes:
-        if not self._held and chunk.endswith(b"\n\n") and _MARKER.search(chunk) is None:
-            return self._done(chunk) if DONE in chunk else chunk  # whole events, none to scrub
-        data = self._held + chunk
-        end = last_event_end(data)
-        self._held = data[end:]
-        return self._done(self._scrub(data[:end]))
-
-    def flush(self) -> bytes:
-        out, self._held = self._held, b""
-        return self._done(self._scrub(out))
-
-    def _done(self, data: bytes) -> bytes:
-        if self._on_done is not None and DONE_EVENT in data:
-            done, self._on_done = self._on_done, None
-            done()
-        return data
-
-    def _scrub(self, data: bytes) -> bytes:
-        if not any(m in data for m in _MARKERS):
-            return data
-        out = []
-        pos = 0
-        for start, end in event_ends(data):
-            out.append(self._event(data[pos:start]) + data[start:end])
-            pos = end
-        if pos < len(data):
-            out.append(self._event(data[pos:]))
-        return b"".join(out)
-
-    def _event(self, event: bytes) -> bytes:
-        """One SSE event (lines without the blank line ending it), engine fields removed."""
-        if not any(m in event for m in _MARKERS):
-            return event
-        lines = event.splitlines()
-        data_lines = [ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")]
-        try:
-            obj = json.loads(b"\n".join(data_lines))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return event  # not JSON: no object field to remove
-        removed = bodies.scrub_engine_fields(obj)
-        if not removed:
-            return event
-        self.scrubbed += 1
-        params = removed.get("kv_transfer_params")
-        if isinstance(params, dict) and params and self._on_params is not None:
-            self._on_params(params)
-            self._on_params = None
-        other = [ln for ln in lines if not ln.startswith(b"data:")]
-        return b"\n".join([*other, b"data: " + json.dumps(obj, separators=(",", ":")).encode()])
-
-
-class ChainedFilter:
-    """Applies several ChunkFilters in order."""
-
-    def __init__(self, *filters: ChunkFilter) -> None:
-        self.filters = filters
-
-    def feed(self, chunk: bytes) -> bytes:
-        for f in self.filters:
-            chunk = f.feed(chunk)
-        return chunk
-
-    def flush(self) -> bytes:
-        out = b""
-        for f in self.filters:
-            out = f.feed(out) + f.flush() if out else f.flush()
-        return out
 
 
 @dataclass
