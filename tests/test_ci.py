@@ -31,7 +31,7 @@ def test_quick_start_setup_asks_for_no_sudo_or_apt() -> None:
 def test_ci_run_installs_the_test_only_parts_first() -> None:
     run = (CI / "run").read_text()
     setup_at = run.index("bash .ci/setup --tests")
-    assert setup_at < run.index(".venv/bin/python -m pytest")
+    assert setup_at < run.index("bash .ci/test")
     tests = (CI / "setup-tests").read_text()
     for pkg in TEST_ONLY:
         assert re.search(rf"^\s*apt_need {re.escape(pkg)} ", tests, flags=re.M), pkg
@@ -50,6 +50,22 @@ def test_every_run_bounds_each_test_and_prints_the_slowest(pytestconfig: pytest.
     assert "--durations=20" in pytestconfig.getini("addopts")
     assert float(pytestconfig.getini("timeout")) >= 300
     assert pytestconfig.getini("timeout_method") == "signal"  # a hang fails one test, not the run
+
+
+def test_ci_test_runs_every_test_once() -> None:
+    """.ci/test's three runs (timing alone, then engine beside unit) select every test
+    exactly once between them, and the parallel ones use port ranges that do not overlap."""
+    text = (CI / "test").read_text()
+    marks = re.findall(r'-m "([^"]+)"|-m (engine)\b', text)
+    exprs = sorted(a or b for a, b in marks)
+    assert exprs == sorted(["timing and not engine", "engine", "not engine and not timing"])
+    for engine in (False, True):  # the three expressions partition every combination
+        for timing in (False, True):
+            hits = [e for e in exprs
+                    if eval(e, {}, {"engine": engine, "timing": timing})]  # noqa: S307
+            assert len(hits) == 1, (engine, timing, hits)
+    ranges = [tuple(map(int, r.split("-"))) for r in re.findall(r"KVFERRY_PORT_RANGE=(\d+-\d+)", text)]
+    assert len(ranges) == 2 and (ranges[0][1] <= ranges[1][0] or ranges[1][1] <= ranges[0][0])
 
 
 def test_the_chaos_test_has_room_for_its_documented_bound() -> None:

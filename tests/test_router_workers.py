@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from fleet_stack import RedisServer, RouterProcess
+from fleet_stack import RedisServer, RouterProcess, wait_for
 from helpers_http import free_port
 from helpers_router_fleet import fresh_redis, redis_server  # noqa: F401
 
@@ -20,6 +20,13 @@ from kvferry.router.api import workers
 from kvferry.router.settings import RouterSettings
 
 HERE = Path(__file__).resolve().parent
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_more_than_one_worker_needs_shared_state() -> None:
@@ -42,6 +49,9 @@ def test_two_workers_share_the_port_and_drain(fresh_redis: RedisServer,  # noqa:
                                            str(port), name], stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))
             engines.append(f"http://127.0.0.1:{port}")
+            # The fake is a Python process: beside the engine tests its imports take seconds,
+            # and with probes off (--health-interval 0) the router would send to a closed port.
+            wait_for(lambda u=engines[-1]: _healthy(u), 60, f"fake {name} up")
         router = RouterProcess(["--prefill", engines[0], "--decode", engines[1],
                                 "--health-interval", "0", "--workers", "2",
                                 "--state", fresh_redis.url], "test", tmp_path / "router.log")
