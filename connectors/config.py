@@ -111,6 +111,12 @@ class ConnectorConfig(BaseModel):
     lease_margin_s: float = Field(reuse.DEFAULT_LEASE_MARGIN, gt=0)
     reuse_read_timeout_s: float = Field(reuse.DEFAULT_READ_TIMEOUT, gt=0)
     lease_free_grace_s: float = Field(lease.DEFAULT_FREE_GRACE, gt=0)
+    # Block checksums of READs (pull, reuse) and push WRITEs: the receiver compares the
+    # blocks it got with the source's before using them; a mismatch recomputes
+    # (transfer/verify.py). sample: the transfers whose request id hashes under
+    # kv_checksum_fraction; all: every one.
+    kv_checksums: Literal["off", "sample", "all"] = "sample"
+    kv_checksum_fraction: float = Field(0.05, ge=0, le=1)
 
     @property
     def notif_poll_s(self) -> float:

@@ -39,6 +39,7 @@ from kvferry.router.wire.headers import OPERATOR_TOKEN_ENV
 from .chaos_faults import Injector, Plan, hook_events, schedule
 from .chaos_stack import ChaosStack, settle_bound_s
 from .chaos_traffic import Outcome, Workload, build, references, send
+from .procs import stop_on_signals
 
 RSS_GROWTH_MB = 100.0
 CLEAR = ("ok", "error")  # always acceptable outcomes
@@ -59,6 +60,10 @@ class Books:
     table: list[dict[str, Any]] = field(default_factory=list)
     faults: int = 0
     hook_hits: Counter = field(default_factory=Counter)
+    # Block checksums (every READ checked): bytes the corrupt fault flipped, and READs
+    # whose check failed; equal when every corruption was caught and no other was found.
+    corruptions_injected: int = 0
+    corruptions_caught: int = 0
 
     def count(self, kind: str) -> int:
         return sum(1 for o in self.outcomes if o.kind == kind)
@@ -135,6 +140,12 @@ def books(stack: ChaosStack, inj: Injector, outcomes: list[Outcome], baseline: d
         b.violations.append(f"router RSS grew {mine[-1] - min(mine):.0f} MB")
     for ev in hook_events(events_dir):
         b.hook_hits[f"{ev['point']}:{ev['action']}"] += 1
+    counts = stack.checksum_counts()
+    b.corruptions_injected = counts["corruptions_injected"]
+    b.corruptions_caught = counts["checksum_mismatches"]
+    if b.corruptions_caught != b.corruptions_injected:
+        b.violations.append(f"checksums: {b.corruptions_injected} corruptions injected, "
+                            f"{b.corruptions_caught} transfers failed their check")
     b.table = table(inj, b.outcomes)
     return b
 
@@ -163,15 +174,32 @@ def print_books(b: Books, echo: Any = print) -> None:
         echo(f"{r['fault']:24} {r['count']:>5} "
              + " ".join(f"{r['outcomes'].get(k, 0):>13}" for k in kinds))
     echo(f"requests {len(b.outcomes)}, faults {b.faults}, hook hits {dict(b.hook_hits)}")
+    echo(f"corruptions injected {b.corruptions_injected}, caught {b.corruptions_caught}")
     echo(f"leaked {b.leaked or 0}, crashes {b.crashes or 0}, router RSS MB "
          f"{[round(mb) for _, mb in b.rss[:1] + b.rss[-1:]]}")
     for v in b.violations:
         echo(f"VIOLATION {v}")
 
 
-def run(seed: int, duration_s: float, logs: Path, workers: int = 3, ucx_tls: str | None = None,
-        startup_s: float = 900.0, echo: Any = print) -> tuple[Books, dict[str, Any]]:
-    """One chaos run; (books, facts for the results line)."""
+@dataclass
+class Session:
+    """A started chaos stack with its workload, references and KV baseline: one chaos run
+    drives it once, a soak (soak.py) drives it segment after segment."""
+
+    stack: ChaosStack
+    plan: Plan
+    work: Workload
+    baseline: dict[str, float]
+    seed: int
+    startup_s: float
+    t_boot: float
+    client: httpx.Client
+
+
+def start(seed: int, logs: Path, ucx_tls: str | None = None, startup_s: float = 900.0,
+          echo: Any = print) -> Session:
+    """Start the 2P2D stack, warm each engine, build the workload and its colocated
+    references; stop it with `Session.stack.stop()` (also when this raises)."""
     from .modelgen import write_model
 
     logs.mkdir(parents=True, exist_ok=True)
@@ -181,13 +209,6 @@ def run(seed: int, duration_s: float, logs: Path, workers: int = 3, ucx_tls: str
     model = str(write_model(logs / "model", "tiny", weights=True))
     plan = Plan(logs / "faults-plan.json", seed, logs / "fault-events")
     stack = ChaosStack(model, logs, secrets.token_hex(16), plan.path, ucx_tls)
-    outcomes: list[Outcome] = []
-    lock = threading.Lock()
-
-    def record(o: Outcome) -> None:
-        with lock:
-            outcomes.append(o)
-
     t_boot = time.monotonic()
     try:
         stack.start(startup_s)
@@ -200,33 +221,67 @@ def run(seed: int, duration_s: float, logs: Path, workers: int = 3, ucx_tls: str
         baseline = {e.name: stack.kv_usage(e) or 0.0 for e in stack.engines}
         work = build(model, seed)
         references([p.url for p in stack.prefills], work, model, client)
-        echo(f"{len(work.singles)} single requests and {len(work.conversations)} "
-             f"conversations with references; baseline KV {baseline}")
-        inj = Injector(stack, work, plan, seed, record, startup_s)
-        stop = threading.Event()
-        rss: list[tuple[int, float]] = []
-        t0 = time.monotonic()
-        sched = schedule(seed, duration_s)
-        threads = [threading.Thread(target=inj.run, args=(t0, sched, stop), daemon=True),
-                   threading.Thread(target=_sample_rss, args=(stack, rss, stop), daemon=True)]
-        for th in threads:
-            th.start()
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda w: _traffic(stack, work, seed, w, t0 + duration_s, record),
-                          range(workers)))
-        threads[0].join()  # faults end (and restarted engines are back) before the books
-        stop.set()
-        _end_conversations(stack, outcomes, client)
-        b = books(stack, inj, outcomes, baseline, rss, plan.events)
-        _dump(logs / "outcomes.jsonl", b.outcomes, stack.router.url)
-        client.close()
+    except BaseException:
+        stack.stop()
+        raise
+    echo(f"{len(work.singles)} single requests and {len(work.conversations)} "
+         f"conversations with references; baseline KV {baseline}")
+    return Session(stack, plan, work, baseline, seed, startup_s, t_boot, client)
+
+
+def segment(s: Session, duration_s: float, workers: int, seed: int, fault_every_s: float = 10.0
+            ) -> tuple[Books, Injector, list[tuple[float, str]]]:
+    """Traffic from ``workers`` clients for ``duration_s`` under the faults of
+    ``schedule(seed, duration_s, fault_every_s)``; then every conversation ends, the KV settles and the
+    books are drawn for this segment's requests (leaks, crashes and checksum counts are
+    the stack's, since it started)."""
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+
+    def record(o: Outcome) -> None:
+        with lock:
+            outcomes.append(o)
+
+    inj = Injector(s.stack, s.work, s.plan, seed, record, s.startup_s)
+    stop = threading.Event()
+    rss: list[tuple[int, float]] = []
+    t0 = time.monotonic()
+    sched = schedule(seed, duration_s, fault_every_s)
+    threads = [threading.Thread(target=inj.run, args=(t0, sched, stop), daemon=True),
+               threading.Thread(target=_sample_rss, args=(s.stack, rss, stop), daemon=True)]
+    for th in threads:
+        th.start()
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda w: _traffic(s.stack, s.work, seed, w, t0 + duration_s, record),
+                      range(workers)))
+    threads[0].join()  # faults end (and restarted engines are back) before the books
+    stop.set()
+    _end_conversations(s.stack, outcomes, s.client)
+    return books(s.stack, inj, outcomes, s.baseline, rss, s.plan.events), inj, sched
+
+
+def run(seed: int, duration_s: float, logs: Path, workers: int = 3, ucx_tls: str | None = None,
+        startup_s: float = 900.0, echo: Any = print) -> tuple[Books, dict[str, Any]]:
+    """One chaos run; (books, facts for the results line)."""
+    with stop_on_signals():  # SIGTERM/SIGINT: `start` and the `finally` stop every engine
+        return _run(seed, duration_s, logs, workers, ucx_tls, startup_s, echo)
+
+
+def _run(seed: int, duration_s: float, logs: Path, workers: int, ucx_tls: str | None,
+         startup_s: float, echo: Any) -> tuple[Books, dict[str, Any]]:
+    s = start(seed, logs, ucx_tls, startup_s, echo)
+    try:
+        b, inj, sched = segment(s, duration_s, workers, seed)
+        _dump(logs / "outcomes.jsonl", b.outcomes, s.stack.router.url)
+        s.client.close()
         facts = {"duration_s": duration_s, "workers": workers, "ucx_tls": ucx_tls or "",
-                 "wall_s": round(time.monotonic() - t_boot), "schedule": [k for _, k in sched],
+                 "checksums": s.stack.extra["kv_checksums"],
+                 "wall_s": round(time.monotonic() - s.t_boot), "schedule": [k for _, k in sched],
                  "events": [{"fault": e.kind, "target": e.target, "detail": e.detail}
                             for e in inj.events]}
         return b, facts
     finally:
-        stack.stop()
+        s.stack.stop()
 
 
 def _dump(path: Path, outcomes: list[Outcome], router: str) -> None:
@@ -301,6 +356,8 @@ def result_lines(b: Books, facts: dict[str, Any], seed: int, command: str) -> li
             "crashes": len(b.crashes), "violations": b.violations,
             "outcomes": dict(Counter(o.kind for o in b.outcomes)),
             "hook_hits": dict(b.hook_hits),
+            "corruptions_injected": b.corruptions_injected,
+            "corruptions_caught": b.corruptions_caught,
             "router_rss_mb": [round(mb, 1) for _, mb in b.rss[:1] + b.rss[-1:]],
             "command": command, "commit": commit(), "date": date.today().isoformat(), **facts}
     return [head] + [{"experiment": "chaos", "seed": seed, "commit": head["commit"], **r}

@@ -43,6 +43,8 @@ HOOKS: dict[str, list[dict[str, Any]]] = {
     "side_channel": [{"point": "post", "action": "drop", "p": 0.3},
                      {"point": "peer_add", "action": "drop", "p": 1.0}],
     "read_hold": [{"point": "done_hold", "action": "delay", "p": 0.5, "s": 25.0}],
+    # A byte flipped in blocks a READ delivered (the engines check every READ: CHAOS_EXTRA).
+    "corrupt": [{"point": "corrupt", "action": "flip", "p": 0.5}],
 }
 PROCESS = ("kill_p", "kill_d", "kill_router")
 REQUESTS = ("forged_params", "oversize", "lease_expire_mid_read")
@@ -188,6 +190,9 @@ class Injector:
         if ev.kind == "read_hold":
             time.sleep(1.0)
             self._held_reads(ev, end)
+        if ev.kind == "corrupt":
+            time.sleep(1.0)
+            self._corrupted_reads(ev, end)
         time.sleep(max(0.0, end - time.monotonic()))
         self.plan.off(key)
 
@@ -205,6 +210,20 @@ class Injector:
             self._send(ev, Item(base.endpoint, base.body, "pull", "read_hold", want=base.want))
             sent += 1
         ev.detail += f" own pulls={sent} held={self._hits('done_hold') - held0}"
+
+    def _corrupted_reads(self, ev: FaultEvent, end: float) -> None:
+        """Pull and push requests of its own, in turn, until a transfer's bytes were
+        flipped (for the same reason as `_held_reads`) and the window is over; each must
+        still get the right answer."""
+        hit0 = self._hits("corrupt")
+        sent = 0
+        while time.monotonic() < end + 20.0 and (
+                self._hits("corrupt") == hit0 or time.monotonic() < end):
+            base = self._base()
+            self._send(ev, Item(base.endpoint, base.body, ("pull", "push")[sent % 2], "corrupt",
+                                want=base.want))
+            sent += 1
+        ev.detail += f" own requests={sent} flipped={self._hits('corrupt') - hit0}"
 
     def _lease_calls(self, ev: FaultEvent) -> None:
         """Lease-control traffic inside the window (background turns may not make any):

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import httpx
 
 from kvferry.connectors.transfer.faults import ENV as FAULTS_ENV
 from kvferry.connectors.transfer.faults import TAG_ENV as FAULTS_TAG_ENV
+from kvferry.connectors.transfer.handshake import HandshakeError, fetch_engine_stats
 
 from .engines import EngineSpec, available_cpus, engine_argv, engine_env
 from .procs import Child, free_port, stop_all, wait_healthy
@@ -34,7 +36,12 @@ CHAOS_EXTRA: dict[str, Any] = {
     "push_hold_timeout_s": 20, "push_register_timeout_s": 30, "push_recv_timeout_s": 30,
     "push_quarantine_s": 2, "decoder_kv_blocks_ttl": 40, "lease_free_grace_s": 4,
     "lease_margin_s": 3, "reuse_read_timeout_s": 2,
+    # Every READ is checked: the corrupt fault's flipped bytes must all be caught.
+    "kv_checksums": "all",
 }
+# The transfer counters the books add up over every incarnation of every engine.
+CHECKSUM_COUNTERS = ("corruptions_injected", "checksum_mismatches", "checksums_verified",
+                     "checksums_unanswered", "checksums_unchecked")
 MAX_MODEL_LEN = 2048
 ROUTER_TIMEOUTS = {"prefill": 60.0, "decode": 90.0}  # per wait for bytes, each leg
 
@@ -67,6 +74,7 @@ class Proc:
     kills: int = 0
     crashes: list[str] = field(default_factory=list)  # deaths nobody asked for
     killed: set[int] = field(default_factory=set)  # incarnations killed on purpose
+    counted: Counter = field(default_factory=Counter)  # CHECKSUM_COUNTERS of killed incarnations
 
     def start(self) -> None:
         self.incarnation += 1
@@ -78,11 +86,22 @@ class Proc:
         """SIGKILL the whole group (API server, engine core, workers) and reap it."""
         self.killed.add(self.incarnation)
         self.kills += 1
+        self.counted.update(self.counters())  # what this incarnation counted, before it goes
         if self.child is not None:
             self.child.signal_group(signal.SIGKILL)
             deadline = time.monotonic() + 30
             while self.child.group_alive() and time.monotonic() < deadline:
                 time.sleep(0.1)
+
+    def counters(self) -> Counter:
+        """This incarnation's CHECKSUM_COUNTERS (engines; empty if it does not answer)."""
+        if not self.side_port:
+            return Counter()
+        try:
+            snap = fetch_engine_stats("127.0.0.1", self.side_port, 1, timeout_s=5.0)
+        except HandshakeError:
+            return Counter()
+        return Counter({k: snap[k] for k in CHECKSUM_COUNTERS})
 
     def alive(self) -> bool:
         return self.child is not None and self.child.alive()
@@ -182,6 +201,14 @@ class ChaosStack:
                 if p.child.proc is not None and p.child.proc.returncode is not None:
                     seen.add(key)
                     p.crashes.append(f"{p.child.log_path.name}: exit {p.child.proc.returncode}")
+
+    def checksum_counts(self) -> Counter:
+        """CHECKSUM_COUNTERS summed over every engine incarnation of the run."""
+        total: Counter = Counter()
+        for e in self.engines:
+            total.update(e.counted)
+            total.update(e.counters())
+        return total
 
     def kv_usage(self, p: Proc) -> float | None:
         """vLLM's ``vllm:kv_cache_usage_perc`` of an engine (None if it does not answer)."""

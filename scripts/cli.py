@@ -21,6 +21,7 @@ from .demo import run_demo
 from .engines import HTTP_PORT, ROUTER_PORT
 from .launch import launch_app
 from .modelgen import SHAPES, write_model
+from .soak import soak
 from .up_stack import DECODE_HTTP_PORT, STATE_ENV, choice, up_stack
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -29,6 +30,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 app.add_typer(launch_app, name="launch")
 app.command(name="bench")(bench)
 app.command(name="chaos")(chaos)
+app.command(name="soak")(soak)
 app.command(name="plan")(plan_command)
 
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -253,6 +255,10 @@ def up(
     state: Annotated[str, typer.Option(
         help="The router's conversation state: memory, or a Redis URL (redis://host:6379/0) "
         "that other router replicas share.")] = "memory",
+    kv_checksums: Annotated[str | None, typer.Option(
+        help="off | sample | all: compare the checksums of transferred KV blocks (READs, push "
+        "WRITEs) with the "
+        "source's (sample: 5% of requests, the connector's default).")] = None,
 ) -> None:
     """Start 1 prefill + 1 decode vLLM engine and the router; Ctrl-C stops all."""
     raise typer.Exit(up_stack(
@@ -262,7 +268,7 @@ def up(
         engine_arg=engine_arg or [], ucx_tls=ucx_tls, nixl_backends=nixl_backend,
         devices_per_engine=devices_per_engine, decode_devices=decode_devices,
         startup_timeout=startup_timeout, run_demo_after=demo, demo_max_tokens=demo_max_tokens,
-        dry_run=dry_run, state=state, share_device_gib=share_device))
+        dry_run=dry_run, state=state, share_device_gib=share_device, kv_checksums=kv_checksums))
 
 
 # `run` repeats most of `up`'s parameters on purpose: typer reads a command's options from

@@ -13,12 +13,44 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import httpx
+
+
+class Shutdown(Exception):
+    """Raised from the SIGINT/SIGTERM/SIGHUP handler so `finally` blocks stop the children."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Each stops a stack the same way. SIGINT too, explicitly: a background job (`kvferry up &`)
+starts with SIGINT ignored, which Python keeps, so without a handler `kill -INT` did nothing."""
+
+
+def on_stop_signal(signum: int, _frame: FrameType | None) -> None:
+    raise Shutdown(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Inside: each of `STOP_SIGNALS` raises `Shutdown` in the main thread, so the caller's
+    `finally` stops its children (a SIGTERM otherwise ends Python without it, leaving
+    engines in their own process groups running). Handlers restored on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can take signals
+        return
+    old = {s: signal.signal(s, on_stop_signal) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
 
 PORT_GAP = 8
 """Ports `free_port` hands out stay this far apart: an engine also binds port + TP rank."""

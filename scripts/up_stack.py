@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from types import FrameType
+from typing import Any
 
 import typer
 
@@ -35,21 +35,22 @@ from .engines import (
     vllm_engine_id,
 )
 from .modelgen import write_model
-from .procs import Child, StartupError, died_message, first_dead, stop_all, wait_healthy
+from .procs import (
+    STOP_SIGNALS,
+    Child,
+    Shutdown,
+    StartupError,
+    died_message,
+    first_dead,
+    on_stop_signal,
+    stop_all,
+    wait_healthy,
+)
 
 STATE_ENV = "KVFERRY_STATE_URL"
 """Where `kvferry router` (and so `kvferry up`) takes `--state` from when it is not given."""
 STATE_DIR = Path(".kvferry")
 DECODE_HTTP_PORT = 8200
-
-
-class Shutdown(Exception):
-    """Raised from the SIGINT/SIGTERM/SIGHUP handler so `finally` blocks stop the children."""
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""Each stops `up` the same way. SIGINT too, explicitly: a background job (`kvferry up &`)
-starts with SIGINT ignored, which Python keeps, so without a handler `kill -INT` did nothing."""
 
 
 class ModelNotFound(ValueError):
@@ -96,10 +97,6 @@ def _transfers(specs: dict[str, EngineSpec]) -> str:
             out[role] = {"unavailable": str(e)}
     return "transfers " + json.dumps(out, sort_keys=True)
 
-def _on_signal(signum: int, _frame: FrameType | None) -> None:
-    raise Shutdown(signal.Signals(signum).name)
-
-
 def choice(value: str, allowed: tuple[str, ...], flag: str) -> str:
     if value not in allowed:
         raise typer.BadParameter(f"{value!r} not in {', '.join(allowed)}", param_hint=flag)
@@ -116,7 +113,7 @@ def up_engines(model: str, hardware_backend: str, ports: dict[str, int], tp: dic
                connector: str = "kvferry", mode: str = "pull", max_model_len: int | None = 4096,
                ucx_tls: str | None = None, nixl_backends: list[str] | None = None,
                extra: tuple[str, ...] = (), share_device_gib: float | None = None,
-               ) -> dict[str, EngineSpec]:
+               connector_extra: dict[str, Any] | None = None) -> dict[str, EngineSpec]:
     """`up`'s two engines on this host, P then D: devices numbered P first, D's side-channel
     ports after P's ranks and lease control (the one port layout: engines.py).
 
@@ -134,6 +131,7 @@ def up_engines(model: str, hardware_backend: str, ports: dict[str, int], tp: dic
             max_model_len=max_model_len, devices_per_engine=tp[role], side_channel_port=side,
             devices=None if hardware_backend == "cpu" else tuple(range(first, first + tp[role])),
             ucx_tls=ucx_tls, nixl_backends=tuple(nixl_backends or ()), extra_args=extra,
+            connector_extra=dict(connector_extra or {}),
         )
         side = spec.next_side_channel_port
         first = 0 if share_device_gib is not None else first + tp[role]
@@ -162,11 +160,17 @@ def up_stack(
     state: str = "memory",
     nixl_backends: list[str] | None = None,
     share_device_gib: float | None = None,
+    kv_checksums: str | None = None,
 ) -> int:
     """`up` and `run`: start (or with ``dry_run`` print) the stack; the exit code."""
     choice(hardware_backend, BACKENDS, "--hardware-backend")
     choice(connector, CONNECTORS, "--connector")
     choice(mode, ("pull", "push"), "--mode")
+    if kv_checksums is not None:
+        choice(kv_checksums, ("off", "sample", "all"), "--kv-checksums")
+        if connector != "kvferry":
+            typer.echo("--kv-checksums is a setting of kvferry's connector", err=True)
+            return 2
     if share_device_gib is not None and hardware_backend != "cuda":
         typer.echo("--share-device puts P and D on the same GPU: it needs --hardware-backend "
                    "cuda (NeuronCores and CPU cores are not shared)", err=True)
@@ -186,7 +190,8 @@ def up_stack(
     specs = up_engines(model, hardware_backend, ports, tp, connector=connector,
                        mode=mode, max_model_len=max_model_len, ucx_tls=ucx_tls,
                        nixl_backends=nixl_backends or [], extra=extra,
-                       share_device_gib=share_device_gib)
+                       share_device_gib=share_device_gib,
+                       connector_extra={"kv_checksums": kv_checksums} if kv_checksums else None)
     for role, spec in specs.items():
         children.append(Child(role, engine_argv(spec), logs / f"{role}.log",
                               f"http://127.0.0.1:{ports[role]}/health",
@@ -223,7 +228,7 @@ def up_stack(
         # The demo prints which engines served each turn, which the router shows only to
         # its operator: a token for this stack alone, known to the router and the demo.
         os.environ[OPERATOR_TOKEN_ENV] = secrets.token_hex(16)
-    old = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
+    old = {s: signal.signal(s, on_stop_signal) for s in STOP_SIGNALS}
     try:
         for c in children:
             c.start()

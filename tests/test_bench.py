@@ -221,6 +221,7 @@ def test_reuse_report_from_push_event_and_point_fields() -> None:
 
 # --- over real HTTP ----------------------------------------------------------------------
 
+@pytest.mark.timing
 def test_ttft_tpot_handoff_against_known_delays(tmp_path: Path, fake: tuple[TimedFake, str]) -> None:
     f, url = fake
     f.prefill_s, f.handoff_s, f.tpot_s = 0.10, 0.04, 0.03
@@ -277,6 +278,7 @@ def test_second_token_and_decode_tpot_without_the_first_gap() -> None:
     assert line["t2_ms_p50"] == pytest.approx(1000) and line["tpot_decode_ms_p50"] == pytest.approx(100)
 
 
+@pytest.mark.timing
 def test_helpers_fake_engine_chunk_counting(tmp_path: Path) -> None:
     eng = FakeEngine("d", chunks=4, chunk_delay_s=0.03)  # no usage, no token ids: count chunks
     with serve(eng.app()) as url:
@@ -288,6 +290,7 @@ def test_helpers_fake_engine_chunk_counting(tmp_path: Path) -> None:
     assert "handoff_ms_p50" not in line and line["n"] == 2
 
 
+@pytest.mark.timing
 def test_open_loop_sends_on_schedule(tmp_path: Path, fake: tuple[TimedFake, str]) -> None:
     f, url = fake
     f.prefill_s = 0.2  # long requests must not delay later sends (open loop)

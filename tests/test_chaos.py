@@ -6,10 +6,12 @@ that reuse D's KV, while a seeded injector goes through every fault once: SIGKIL
 restart (same address) of a P, a D and the router; dropped and delayed NIXL
 notifications; dropped and delayed lease-control calls; failed transfer posts; READs
 reported past their deadline; a lease released while P reads it back; forged and
-malformed kv_transfer_params; prompts over the context length. The books must balance:
-every answer equals colocated or is a clear error, no hang, every block freed, no crash,
-router memory bounded. Wall time: ~2 min start-up, `DURATION_S` of faults, the settle
-bound (chaos_stack.settle_bound_s) at most: under 8 minutes on two cores.
+malformed kv_transfer_params; prompts over the context length; bytes flipped in blocks a
+READ delivered. The books must balance: every answer equals colocated or is a clear
+error, no hang, every block freed, no crash, router memory bounded; every READ's blocks
+are checksummed, and each byte the corrupt fault flips is caught (that READ fails its
+check and the request recomputes). Wall time: ~2 min start-up, `DURATION_S` of faults,
+the settle bound (chaos_stack.settle_bound_s) at most: under 8 minutes on two cores.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvferry.scripts.chaos_faults import HOOKS, KINDS, schedule
 pytestmark = pytest.mark.engine
 
 SEED = 7
-DURATION_S = 140.0  # 13 faults 10 s apart: every kind once
+DURATION_S = 150.0  # 14 faults 10 s apart: every kind once
 
 
 def test_every_kind_fits_the_ci_run():
@@ -46,7 +48,11 @@ def test_chaos_books_balance(tmp_path, capsys):
     # (lease windows send their own lease-control traffic; posts and finished transfers
     # come with any request). The others depend on what the traffic did in the window.
     points = {k.split(":")[0] for k in books.hook_hits}
-    assert {"lease_call", "lease_handle", "post", "done_hold"} <= points, books.hook_hits
+    assert {"lease_call", "lease_handle", "post", "done_hold", "corrupt"} <= points, books.hook_hits
+    # Every READ is checked (CHAOS_EXTRA): each flipped byte failed its READ's check, and
+    # no check failed for any other reason (the books also count this as a violation).
+    assert books.corruptions_injected >= 1, books.hook_hits
+    assert books.corruptions_caught == books.corruptions_injected == books.hook_hits["corrupt:flip"]
     holds = [e["detail"] for e in facts["events"] if e["fault"] == "read_hold"]
     assert holds and all(" held=0" not in d for d in holds), holds  # each window held a READ
     assert points <= {r["point"] for rules in HOOKS.values() for r in rules}

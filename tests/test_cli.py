@@ -219,6 +219,31 @@ def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "--prefill-engine-id prefill-127.0.0.1-8100" in r.output
 
 
+def test_up_sets_kv_checksums_on_both_engines(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvferry up --kv-checksums all`: both engines' connector config says so, and the
+    connector's own config model accepts what the line carries."""
+    from kvferry.connectors.config import ConnectorConfig
+
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--kv-checksums", "all"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    for role in ("prefill", "decode"):
+        line = lines[lines.index(next(x for x in lines if x.startswith(f"# {role}"))) + 1]
+        extra = json.loads(_flag(shlex.split(line), "--kv-transfer-config"))[
+            "kv_connector_extra_config"]
+        assert extra["kv_checksums"] == "all"
+        assert ConnectorConfig.from_extra(extra).kv_checksums == "all"
+    plain = runner.invoke(cli.app, ["up", "--dry-run"])
+    assert plain.exit_code == 0 and '"kv_checksums"' not in plain.output  # default: sample
+    assert ConnectorConfig().kv_checksums == "sample"
+    assert runner.invoke(cli.app, ["up", "--dry-run", "--kv-checksums", "most"]).exit_code != 0
+    other = runner.invoke(cli.app, ["up", "--dry-run", "--kv-checksums", "all", "--connector",
+                                    "vllm-nixl"])
+    assert other.exit_code == 2 and "kvferry's connector" in other.output
+
+
 def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvferry.router.api import app as router_app
 

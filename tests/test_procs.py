@@ -3,11 +3,16 @@ tests (helpers_http.free_port): ports free now, below the ephemeral range, 8 apa
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 from itertools import combinations
 from pathlib import Path
 
 import helpers_http
+import pytest
 
 from kvferry.scripts import procs
 
@@ -46,3 +51,34 @@ def test_a_port_range_from_the_environment_bounds_the_picks(monkeypatch) -> None
         monkeypatch.setenv(procs.PORT_RANGE_ENV, bad)
         with pytest.raises(ValueError, match=procs.PORT_RANGE_ENV):
             procs.free_port(set())
+
+
+DRIVER = """
+import sys, time
+from pathlib import Path
+from kvferry.scripts.procs import Child, stop_all, stop_on_signals
+child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], Path(sys.argv[1]))
+with stop_on_signals():
+    try:
+        child.start()
+        print(child.proc.pid, flush=True)
+        time.sleep(60)
+    finally:
+        stop_all([child], grace_s=5)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_the_children_of_a_background_run(tmp_path, sig) -> None:
+    """`kvferry soak` / `chaos` / `up` run in the background (SIGINT ignored, as a shell's
+    `&` starts them): the signal still runs their `finally`, so no engine is left behind."""
+    drv = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "log")],
+                           stdout=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert drv.stdout is not None
+    pid = int(drv.stdout.readline())
+    os.kill(pid, 0)  # the child runs, in its own process group
+    drv.send_signal(sig)
+    assert drv.wait(timeout=20) != 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -193,6 +193,7 @@ def test_connect_timeout_counts_only_time_the_router_could_act() -> None:
         assert uvloop.run(run(url)) == 200
 
 
+@pytest.mark.timing
 def test_connect_timeout_still_fires_for_an_engine_that_never_accepts() -> None:
     """A listener whose accept queue is full drops new SYNs: with the loop free, the 0.3 s
     connect timeout fires (as a connect timeout: the leg was never sent)."""

@@ -15,6 +15,7 @@ import tracemalloc
 
 import helpers_router_fleet
 import httpx
+import pytest
 from fleet_stack import RedisServer, wait_for
 from helpers_fleet import metric, metric_sum, reuse_of
 from helpers_router_fleet import router, turn
@@ -156,6 +157,7 @@ def test_memory_state_is_bounded() -> None:
     assert used < 10_000 * 4096, used
 
 
+@pytest.mark.timing
 def test_redis_state_is_bounded(fresh_redis: RedisServer) -> None:
     """100k conversations written to Redis: under 2 KiB each while alive, every key with a
     TTL at its lease's expiry, and keys gone once their leases ended."""

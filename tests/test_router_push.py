@@ -265,6 +265,7 @@ def test_prefill_failure_leaves_decode_alone(
     assert 'kvferry_router_push_prefill_failures_total{kind="http_500"} 1.0' in metrics
 
 
+@pytest.mark.timing
 def test_pull_timing_header(cluster: Callable[..., Cluster], client: httpx.Client) -> None:
     url, p, _ = cluster()
     p.delay_s = 0.2
@@ -277,6 +278,7 @@ def test_pull_timing_header(cluster: Callable[..., Cluster], client: httpx.Clien
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.timing
 def test_bench_client_reads_prefill_ms(cluster: Callable[..., Cluster], mode: str) -> None:
     url, p, d = cluster()
     p.delay_s = 0.2

@@ -53,8 +53,11 @@ class Engine:
                  **cfg: float):
         self.engine_id = f"{role}-{uuid.uuid4().hex[:8]}"
         self.port = free_port()  # rank r listens on port + r (free_port keeps ports 8 apart)
-        self.cfg = ConnectorConfig(side_channel_port=self.port, handshake_timeout_s=2.0,
-                                   recv_timeout_s=10.0, **cfg)
+        # The handshake bound is the product default unless a test shortens it: a peer's
+        # registration (UCX add_remote_agent for every rank's agent in this one process)
+        # took over 2 s on the 2 CI cores with engine tests beside it.
+        self.cfg = ConnectorConfig(side_channel_port=self.port, **{"recv_timeout_s": 10.0,
+                                                                   **cfg})
         hd, cut = LAYOUTS[layout]
         base = g if g is not None else torch.zeros(N, heads, BS, 2 * HD)
         self.kv = [cut(base, list(heads_of(r, tp, heads))) for r in range(tp)]
@@ -172,8 +175,8 @@ def test_two_requests_reuse_every_rank_handshake(engines):
 
 
 def test_a_dead_p_rank_means_recompute_not_a_hang(engines):
-    p = engines("P", 2, 4, "heads-outer", torch.randn(N, 4, BS, 2 * HD))
-    d = engines("D", 1, 4, "heads-outer", None)
+    p = engines("P", 2, 4, "heads-outer", torch.randn(N, 4, BS, 2 * HD), handshake_timeout_s=2.0)
+    d = engines("D", 1, 4, "heads-outer", None, handshake_timeout_s=2.0)
     p.workers[1].close()  # rank 1's side channel and agent are gone
     t0 = time.monotonic()
     (got,) = pull(p, d)
@@ -271,8 +274,8 @@ def test_push_writes_every_d_rank_heads_from_every_p_rank(engines, heads, p_tp, 
 
 
 def test_push_to_a_dead_p_rank_recomputes_on_every_d_rank_without_a_hang(engines):
-    p = engines("P", 2, 4, "nhd", torch.randn(N, 4, BS, 2 * HD))
-    d = engines("D", 1, 4, "nhd", None, push_quarantine_s=1.0)
+    p = engines("P", 2, 4, "nhd", torch.randn(N, 4, BS, 2 * HD), handshake_timeout_s=2.0)
+    d = engines("D", 1, 4, "nhd", None, push_quarantine_s=1.0, handshake_timeout_s=2.0)
     p.workers[1].close()
     t0 = time.monotonic()
     d.push_register(p, "d1", "t1")

@@ -6,6 +6,7 @@ Pull:  D -> P  Done        (READ finished, or D will not read: free the blocks o
                             every D rank reading this P rank said so)
 Push:  D -> P  Register    (destination blocks of a transfer id, signed)
        P -> D  Wrote       (one P rank's WRITE for a transfer id landed)
+       P -> D  Sums        (its source blocks' checksums, when D's Register asked)
        P -> D  Rejected    (P will write nothing (more) for that transfer id)
        D -> P  Abort       (D gave up on / cancelled the transfer id)
 """
@@ -45,6 +46,7 @@ class Register(msgspec.Struct, tag="reg"):
     prompt_hash: str
     sig: str = ""
     tp_size: int = 1  # D's: P writes head segments to D's ranks when its own differs
+    checksums: bool = False  # P sends `Sums` of its source blocks once its WRITE ended
 
 
 class Wrote(msgspec.Struct, tag="wrote"):
@@ -53,6 +55,17 @@ class Wrote(msgspec.Struct, tag="wrote"):
 
     transfer_id: str
     rank: int
+
+
+class Sums(msgspec.Struct, tag="sums"):
+    """P -> D (push, when the Register asked): the checksums of the blocks P rank ``rank``
+    wrote, in D's block order, computed once its WRITE ended (memory/checksum.py); or why
+    they could not be computed (``error``). D compares them with its own blocks'."""
+
+    transfer_id: str
+    rank: int
+    sums: list[int] = []
+    error: str = ""
 
 
 class Rejected(msgspec.Struct, tag="reject"):
@@ -70,7 +83,7 @@ class Abort(msgspec.Struct, tag="abort"):
     transfer_id: str
 
 
-Message = Done | Register | Wrote | Rejected | Abort
+Message = Done | Register | Wrote | Sums | Rejected | Abort
 
 
 class Hello(msgspec.Struct, forbid_unknown_fields=False):

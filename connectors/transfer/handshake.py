@@ -68,6 +68,7 @@ class ReplyServer:
 
 
 STATS = b"stats"
+SUMS_PREFIX = b"sums:"  # transfer/verify.py's requests (it imports this module, not back)
 
 
 class HandshakeServer(ReplyServer):
@@ -80,6 +81,8 @@ class HandshakeServer(ReplyServer):
         self.stats: Stats | None = None
         self.on_release: Callable[[bytes], bytes] | None = None
         """P's answer to the router's `send_release` requests (set by the worker)."""
+        self.on_sums: Callable[[bytes], bytes] | None = None
+        """The answer to a reader's checksum request (transfer/verify.py; set by the worker)."""
         super().__init__(host, port, lambda req: self._answer(req, blob), "side channel")
 
     def _answer(self, req: bytes, blob: bytes) -> bytes:
@@ -89,6 +92,10 @@ class HandshakeServer(ReplyServer):
             if self.on_release is None:
                 return send_release.reply(False, "unsupported")
             return self.on_release(req)
+        if req.startswith(SUMS_PREFIX):
+            if self.on_sums is None:
+                return msgspec.msgpack.encode({"ok": False, "error": "unsupported"})
+            return self.on_sums(req)
         return blob
 
 

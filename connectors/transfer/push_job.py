@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvferry.connectors.protocol import timeline
+from kvferry.connectors.protocol import messages, timeline
 from kvferry.connectors.transfer.layer_push import Fences, Posting
 from kvferry.connectors.transfer.stats import Stats
 from kvferry.connectors.transfer.transport import FENCE_S, Transfer, Transport, XferState
@@ -32,6 +32,8 @@ class WriteJob:
     started: float  # monotonic: failed once recv_timeout_s passed
     ended_at: float  # wall clock of the prefill's end (0: unknown)
     fenced: tuple[float, str, str] | None = None  # (since, why, detail): failing once ended
+    check: messages.Register | None = None  # D asked for our blocks' sums (verify.py)
+    src: tuple[int, ...] = ()  # P's blocks written, in D's order
 
     def post(self, transport: Transport, fences: Fences) -> None:
         """Post what the posting may post now (layers whose fence passed). Raises."""

@@ -10,6 +10,9 @@ up (protocol/push_receive.py has the argument). While it waits that long for a P
 does not answer, D checks every `PROBE_S` whether P's side channel still listens: a port
 that refuses the connection means P's process is gone, and a WRITE of a process that is
 gone cannot land, so the blocks go then.
+
+A checked WRITE (transfer/verify.py) is received only once P's `Sums` of its source
+blocks equal D's destination blocks' (else, or without an answer, D recomputes).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvferry.connectors.protocol.push_receive import (
     ReleaseDest,
 )
 from kvferry.connectors.protocol.step import RegisterTask, StepMeta
+from kvferry.connectors.transfer import faults, verify
 from kvferry.connectors.transfer.peers import gone
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
 
@@ -52,6 +56,8 @@ class _DReq:
     registered_at: float = 0.0  # monotonic
     p_ranks: list[int] = field(default_factory=list)  # P ranks we registered with
     writers: set[int] = field(default_factory=set)  # P ranks whose WRITE we wait for
+    check: verify.Expected | None = None  # P's Sums, compared once every WRITE ended
+    written: int = 0  # how many of block_ids P writes (the tokens from first_token)
 
 
 class PushRecv(RankPart):
@@ -66,17 +72,18 @@ class PushRecv(RankPart):
         self.receiver = PushReceiver(recv_timeout=cfg.push_recv_timeout_s,
                                      quarantine=cfg.recv_timeout_s + cfg.push_quarantine_s)
         self._d: dict[str, _DReq] = {}
+        self._checking: dict[str, _DReq] = {}  # written, awaiting or comparing P's Sums
         self._last_tick = 0.0
         self._last_probe = 0.0
 
     def awaiting(self) -> bool:
-        """A Wrote notification is expected."""
-        return bool(self._d)
+        """A Wrote or Sums notification is expected."""
+        return bool(self._d or self._checking)
 
     @property
     def num_tracked(self) -> int:
         """Registered transfers not yet settled."""
-        return len(self._d)
+        return len(self._d) + len(self._checking)
 
     # -- from the engine's step metadata -------------------------------------------------
     def accept(self, meta: StepMeta, now: float) -> None:
@@ -100,21 +107,25 @@ class PushRecv(RankPart):
             self.stats.event("recomputes", task.req_id, "transfer id in use here")
             self.out.report(recvd={task.req_id}, bad_blocks=task.block_ids)
             return
-        d = self._d[task.transfer_id] = _DReq(task.req_id, task.block_ids, task.host, task.port,
-                                              registered_at=now)
+        d = self._d[task.transfer_id] = _DReq(
+            task.req_id, task.block_ids, task.host, task.port, registered_at=now,
+            written=-(-task.num_tokens // layout.block_size) - task.first_token // layout.block_size)
         reg = messages.Register(
             transfer_id=task.transfer_id, engine_id=self.engine_id,
             host=self.cfg.side_channel_host, port=self.cfg.side_channel_port, rank=self.ranks.rank,
             block_ids=task.block_ids, block_size=layout.block_size, num_blocks=layout.num_blocks,
             first_token=task.first_token, num_tokens=task.num_tokens, prompt_hash=task.prompt_hash,
             tp_size=self.ranks.tp_size)
-        reg.sig = mac(reg)
         try:
-            expect, d.p_ranks, idle = self.ranks.push_targets(self.peers.tp(task.host, task.port))
+            p_tp = self.peers.tp(task.host, task.port)
+            expect, d.p_ranks, idle = self.ranks.push_targets(p_tp)
         except Exception as e:  # P unreachable or an impossible split: no WRITE can land
             expect, idle, failure = {self.ranks.rank}, [], e
         else:
             failure = None
+            if self._check_wanted(task.req_id, p_tp):
+                d.check, reg.checksums = verify.Expected(), True
+        reg.sig = mac(reg)
         d.writers = set(expect)
         self._apply(self.receiver.expect(task.transfer_id, task.req_id, expect, now))
         sent: list[int] = []
@@ -147,6 +158,16 @@ class PushRecv(RankPart):
         log.debug("push %s: registered %d blocks with %s:%d", task.transfer_id,
                   len(task.block_ids), task.host, task.port)
 
+    def _check_wanted(self, req_id: str, p_tp: int) -> bool:
+        """Whether this transfer's WRITE is checked (unchecked when it cannot be: counted)."""
+        if not verify.wanted(self.cfg.kv_checksums, self.cfg.kv_checksum_fraction, req_id):
+            return False
+        why = ("head segments (another TP size)" if p_tp != self.ranks.tp_size
+               else "" if self.sums.available else self.sums.why_not)
+        if why:
+            self.stats.event("checksums_unchecked", req_id, why)
+        return not why
+
     def _tell_p(self, d: _DReq, msg: messages.Message) -> None:
         """Every P rank we registered with (none: another of our ranks did)."""
         for p in d.p_ranks:
@@ -156,16 +177,17 @@ class PushRecv(RankPart):
         for a in actions:
             d = self._d.get(a.transfer_id)
             if isinstance(a, RecvReady):
-                ok = True
-                if d is not None:
-                    timeline.mark(log, a.transfer_id, "kv_in")
-                    d.ready = True
-                    del self._d[a.transfer_id]
-                    log.info("push %s: KV in, %.1f ms after registering", a.transfer_id,
-                             (time.monotonic() - d.registered_at) * 1e3)
-                    self.stats.event("push_received", a.transfer_id)
-                    ok = self.mirror.stage_in(a.req_id, d.block_ids)  # host staging: mirror -> device
-                self.out.report(recvd={a.req_id}, bad_blocks=() if ok else d.block_ids)
+                if d is None:
+                    self.out.report(recvd={a.req_id})
+                    continue
+                del self._d[a.transfer_id]
+                if faults.ACTIVE:
+                    self._corrupt(d)
+                if d.check is None:
+                    self._deliver(a.transfer_id, d)
+                else:  # no WRITE can land any more: compare once P's Sums are here
+                    d.check.start(time.monotonic())
+                    self._checking[a.transfer_id] = d
             elif isinstance(a, RecvFailed):
                 log.warning("push %s (request %s): %s; recomputing once no WRITE can land",
                             a.transfer_id, a.req_id, a.reason)
@@ -178,10 +200,55 @@ class PushRecv(RankPart):
                 self._d.pop(a.transfer_id, None)
                 self.out.report(recvd={a.req_id}, bad_blocks=d.block_ids if d else ())
 
+    def _deliver(self, tid: str, d: _DReq) -> None:
+        """Every WRITE landed (and its check passed): the request decodes."""
+        timeline.mark(log, tid, "kv_in")
+        d.ready = True
+        log.info("push %s: KV in, %.1f ms after registering", tid,
+                 (time.monotonic() - d.registered_at) * 1e3)
+        self.stats.event("push_received", tid)
+        ok = self.mirror.stage_in(d.req_id, d.block_ids)  # host staging: mirror -> device
+        self.out.report(recvd={d.req_id}, bad_blocks=() if ok else d.block_ids)
+
+    def _corrupt(self, d: _DReq) -> None:
+        """Chaos (faults.py's ``corrupt``): a byte the WRITE got wrong, checked or not."""
+        if d.block_ids and self.sums.available and faults.hit("corrupt"):
+            self.sums.flip_byte(d.block_ids[0])
+            self.stats.event("corruptions_injected", d.req_id)
+
+    def _poll_checks(self, now: float) -> None:
+        for tid, d in list(self._checking.items()):
+            assert d.check is not None
+            try:
+                ended, why = d.check.poll(lambda d=d: self.sums.sums(d.block_ids[:d.written]), now)
+            except Exception as e:  # our memory unreadable: unchecked, delivered
+                self.stats.event("checksums_unchecked", d.req_id, f"{type(e).__name__}: {e}")
+                ended, why = True, None
+            if not ended:
+                continue
+            del self._checking[tid]
+            if why is None:
+                self.stats.event("checksums_verified", d.req_id,
+                                 f"{(time.monotonic() - (d.check.started or now)) * 1e3:.3f} ms")
+                self._deliver(tid, d)
+                continue
+            name = "checksums_unanswered" if why.startswith("unanswered") else "checksum_mismatches"
+            log.warning("push %s (request %s): KV checksum %s; recomputing", tid, d.req_id, why)
+            self.stats.event(name, d.req_id, why)
+            self.stats.event("recomputes", d.req_id, f"checksum {why}")
+            self.out.report(recvd={d.req_id}, bad_blocks=d.block_ids)
+
     # -- from P ---------------------------------------------------------------------------
-    def on_message(self, msg: messages.Wrote | messages.Rejected, now: float) -> None:
+    def on_message(self, msg: messages.Wrote | messages.Sums | messages.Rejected,
+                   now: float) -> None:
         if isinstance(msg, messages.Wrote):
             self._apply(self.receiver.notified(msg.transfer_id, msg.rank))
+        elif isinstance(msg, messages.Sums):
+            d = self._d.get(msg.transfer_id) or self._checking.get(msg.transfer_id)
+            if d is not None and d.check is not None and msg.rank in d.writers:
+                d.check.given(msg)
+        elif (d := self._checking.get(msg.transfer_id)) is not None and d.check is not None:
+            d.check.error = f"P rejected it after its WRITE: {msg.reason}"
         else:
             self._apply(self.receiver.rejected(msg.transfer_id, msg.reason, now,
                                                msg.rank if msg.rank >= 0 else None))
@@ -190,6 +257,8 @@ class PushRecv(RankPart):
         if now - self._last_tick >= TICK_S:
             self._last_tick = now
             self._apply(self.receiver.tick(now))
+        if self._checking:
+            self._poll_checks(now)
         if now - self._last_probe >= PROBE_S:
             self._last_probe = now
             self._probe_quarantined(now)

@@ -19,7 +19,7 @@ from kvferry.connectors.protocol import messages, push_sender, timeline
 from kvferry.connectors.protocol.params import mac_ok
 from kvferry.connectors.protocol.push_sender import PushSender, SendAction
 from kvferry.connectors.protocol.step import StepMeta
-from kvferry.connectors.transfer import layer_push
+from kvferry.connectors.transfer import layer_push, verify
 from kvferry.connectors.transfer.layer_push import Fences, Forwards, LayerFence, Ready
 from kvferry.connectors.transfer.push_job import WriteJob
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
@@ -168,9 +168,11 @@ class PushWrite(RankPart):
         except Exception as e:
             self._fail(s.transfer_id, str(e), f"not started: {e}")
             return
-        started = time.monotonic()
         timeline.mark(log, s.transfer_id, "write_start")
-        self._writes[s.transfer_id] = WriteJob(s.transfer_id, posting, xfers, started, a.ended_at)
+        wr = self._writes[s.transfer_id] = WriteJob(s.transfer_id, posting, xfers,
+                                                    time.monotonic(), a.ended_at)
+        if reg.checksums:
+            wr.check, wr.src = reg, tuple(s.src_block_ids)
 
     def _abandon(self, tid: str, why: str, detail: str = "") -> None:
         """Fail the WRITE once none of its transfers can still land: at once when none
@@ -193,4 +195,6 @@ class PushWrite(RankPart):
     def _done(self, tid: str, wr: WriteJob, now: float) -> None:
         del self._writes[tid]
         wr.complete(self.transport, self.stats)
+        if wr.check is not None:  # D compares what landed with our blocks, not yet freed
+            self._notify_d(wr.check, verify.source_sums(self.sums, tid, self.ranks.rank, wr.src))
         self._run(self.sender.write_done(tid, now))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvferry.connectors.memory.checksum import BlockSums
 from kvferry.connectors.protocol.tp_map import Ranks
 from kvferry.connectors.transfer.mirror import Mirror
 from kvferry.connectors.transfer.peers import Peers
@@ -23,6 +24,7 @@ class RankIO:
     out: ResultBox
     mirror: Mirror
     stats: Stats  # served on the side channel (b"stats")
+    sums: BlockSums = field(default_factory=lambda: BlockSums(None))  # checksums of our blocks
 
 
 class RankPart:
@@ -35,3 +37,4 @@ class RankPart:
         self.out = io.out
         self.mirror = io.mirror
         self.stats = io.stats
+        self.sums = io.sums

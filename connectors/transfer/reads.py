@@ -12,6 +12,9 @@ its outstanding operations complete with an error), and the READ is reported fai
 a poll says it ended; releasing the handle alone is no fence (NIXL may not be able to
 recall an RMA the NIC already has). Only a transport that reports nothing for
 `FENCE_S` more is given up on (``transfers_unfenced``, never seen in a healthy run).
+
+A READ that ended DONE may be checked before it is reported (transfer/verify.py): its
+blocks' checksums against the source's; a mismatch or no answer is a failed READ.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from kvferry.connectors.protocol import messages
 from kvferry.connectors.protocol.step import RecvTask, ReuseRead
 from kvferry.connectors.protocol.tp_map import Segment
+from kvferry.connectors.transfer import faults, verify
 from kvferry.connectors.transfer.lease_control import LeaseCheck
 from kvferry.connectors.transfer.peers import gone
 from kvferry.connectors.transfer.rank_io import RankIO, RankPart
@@ -44,6 +48,8 @@ class _Read:
     release: list[tuple[Peer, bytes]] = field(default_factory=list)  # pull: P's Done, also on failure
     release_ranks: list[int] = field(default_factory=list)  # the P rank of each `release`
     fenced_at: float | None = None  # past its deadline in flight: the source's agent removed
+    check: bool = False  # compare checksums with the source once DONE (verify.py)
+    source: tuple[str, int] | None = None  # the source rank's side channel (whole blocks)
 
 
 @dataclass
@@ -61,14 +67,28 @@ class Reads(RankPart):
     """The READs one rank posts (D's pull, P's reuse), each ending exactly once as
     finished-receiving, with its blocks reported bad on failure."""
 
-    def __init__(self, io: RankIO, recv_timeout_s: float) -> None:
+    def __init__(self, io: RankIO, recv_timeout_s: float, checksums: verify.Mode = "off",
+                 checksum_fraction: float = 0.0) -> None:
         super().__init__(io)
         self.recv_timeout_s = recv_timeout_s
+        self.checksums, self.checksum_fraction = checksums, checksum_fraction
         self._reads: dict[str, _Read] = {}
         self._checks: dict[str, _Checking] = {}
+        self._verifying: dict[str, tuple[_Read, verify.Check]] = {}
 
     def busy(self) -> bool:
-        return bool(self._reads or self._checks)
+        return bool(self._reads or self._checks or self._verifying)
+
+    def _wants_check(self, req_id: str) -> bool:
+        return verify.wanted(self.checksums, self.checksum_fraction, req_id)
+
+    @staticmethod
+    def _source(host: str, port: int, pieces: list[tuple[int, list[Segment] | None]]
+                ) -> tuple[str, int] | None:
+        """The one source rank's side channel when we read whole blocks from it alone."""
+        if len(pieces) == 1 and pieces[0][1] is None:
+            return host, port + pieces[0][0]
+        return None
 
     def start_pull(self, task: RecvTask, now: float) -> None:
         """D: READ our heads of the offered blocks (`Ranks.read_plan`), then tell every P
@@ -89,7 +109,8 @@ class Reads(RankPart):
                     self.transport.notify(peer, m)
                 return
             budget = self._read_budget(task)
-            attach = len(pieces) == 1 and list(notices) == [pieces[0][0]]
+            check = self._wants_check(task.req_id)  # P's Done then waits for the check
+            attach = len(pieces) == 1 and list(notices) == [pieces[0][0]] and not check
             for r, segs in pieces:
                 xfers.append(self.transport.start("READ", peers[r], task.local_block_ids,
                                                   task.remote_block_ids,
@@ -115,7 +136,9 @@ class Reads(RankPart):
         self._reads[task.req_id] = _Read(task, xfers, now + budget, now, o.remote_engine_id,
                                          o.remote_tp_size, strict=bool(o.expiry),
                                          notices=[] if attach else msgs, release=msgs,
-                                         release_ranks=list(notices))
+                                         release_ranks=list(notices), check=check,
+                                         source=self._source(o.remote_host, o.remote_port,
+                                                             pieces))
 
     def _read_budget(self, task: RecvTask) -> float:
         budget = self.recv_timeout_s
@@ -178,7 +201,9 @@ class Reads(RankPart):
             self._reuse_not_started(rr, e)
             return
         self._reads[rr.req_id] = _Read(rr, xfers, now + budget, c.started, rr.engine_id,
-                                       rr.tp_size, strict=True)
+                                       rr.tp_size, strict=True,
+                                       check=self._wants_check(rr.req_id),
+                                       source=self._source(rr.host, rr.port, c.pieces))
 
     def _reuse_not_started(self, rr: ReuseRead, e: Exception) -> None:
         log.warning("request %s: reuse READ from %s not started (%s); recomputing",
@@ -194,6 +219,8 @@ class Reads(RankPart):
         past its deadline."""
         if self._checks:
             self._poll_checks(now)
+        if self._verifying:
+            self._poll_verifying(now)
         for req_id, rd in list(self._reads.items()):
             state = self.transport.poll_all(rd.xfers)
             if state == XferState.PROC and now < rd.deadline:
@@ -211,17 +238,15 @@ class Reads(RankPart):
             del self._reads[req_id]
             if state == XferState.DONE and rd.fenced_at is None and not (
                     rd.strict and now > rd.deadline):
+                if faults.ACTIVE:
+                    self._corrupt(req_id, rd)
+                if rd.check and self._start_check(req_id, rd, now):
+                    continue  # reported once the source's checksums came (or did not)
                 log.info("kvferry %s %s: %d blocks, %d B in %d descriptors, %.1f ms",
                          "reuse READ" if isinstance(rd.task, ReuseRead) else "READ", req_id,
                          len(rd.task.local_block_ids), sum(x.nbytes for x in rd.xfers),
                          sum(x.ndesc for x in rd.xfers), (now - rd.started) * 1e3)
-                reuse = isinstance(rd.task, ReuseRead)
-                self.stats.event("reuse_reads_done" if reuse else "reads_done", req_id)
-                self.stats.add("bytes_read", sum(x.nbytes for x in rd.xfers))
-                for peer, msg in rd.notices:
-                    self.peers.send(peer, msg)
-                ok = self.mirror.stage_in(req_id, rd.task.local_block_ids)
-                self.out.report(recvd={req_id}, bad_blocks=() if ok else rd.task.local_block_ids)
+                self._deliver(req_id, rd)
             else:
                 log.warning("request %s: READ %s; recomputing", req_id,
                             "failed" if state == XferState.ERR else "timed out")
@@ -238,6 +263,62 @@ class Reads(RankPart):
                 else:  # the agent we read through is gone: tell P through a new one
                     self._tell_p_again(rd)
                 self.out.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)
+
+    def _deliver(self, req_id: str, rd: _Read) -> None:
+        """A READ that ended well: P may free what we read, the blocks are received."""
+        reuse = isinstance(rd.task, ReuseRead)
+        self.stats.event("reuse_reads_done" if reuse else "reads_done", req_id)
+        self.stats.add("bytes_read", sum(x.nbytes for x in rd.xfers))
+        for peer, msg in rd.notices:
+            self.peers.send(peer, msg)
+        ok = self.mirror.stage_in(req_id, rd.task.local_block_ids)
+        self.out.report(recvd={req_id}, bad_blocks=() if ok else rd.task.local_block_ids)
+
+    def _start_check(self, req_id: str, rd: _Read, now: float) -> bool:
+        """Checksum the blocks that arrived and ask the source for its own; False when this
+        READ cannot be checked (counted, then delivered as before)."""
+        local_ids = rd.task.local_block_ids
+        why = "head segments (another TP size)" if rd.source is None else (
+            "" if self.sums.available else self.sums.why_not)
+        local: list[int] = []
+        if not why:
+            try:
+                local = self.sums.sums(local_ids)
+            except Exception as e:  # never a lost READ: unchecked, delivered
+                why = f"{type(e).__name__}: {e}"
+        if why or rd.source is None:
+            self.stats.event("checksums_unchecked", req_id, why)
+            return False
+        self._verifying[req_id] = (rd, verify.Check(*rd.source, rd.task.remote_block_ids,
+                                                    local, now))
+        return True
+
+    def _corrupt(self, req_id: str, rd: _Read) -> None:
+        """Chaos (faults.py's ``corrupt``): a byte the transfer got wrong, in the first
+        block that landed, whether or not the READ is checked."""
+        if rd.task.local_block_ids and self.sums.available and faults.hit("corrupt"):
+            self.sums.flip_byte(rd.task.local_block_ids[0])
+            self.stats.event("corruptions_injected", req_id)
+
+    def _poll_verifying(self, now: float) -> None:
+        for req_id, (rd, check) in list(self._verifying.items()):
+            ended, why = check.poll(now)
+            if not ended:
+                continue
+            del self._verifying[req_id]
+            if why is None:
+                # what the check added to this READ (bench: checksum_cost.py reads it)
+                self.stats.event("checksums_verified", req_id,
+                                 f"{(time.monotonic() - check.started) * 1e3:.3f} ms")
+                self._deliver(req_id, rd)
+                continue
+            name = "checksums_unanswered" if why.startswith("unanswered") else "checksum_mismatches"
+            log.warning("request %s: KV checksum %s; recomputing", req_id, why)
+            self.stats.event(name, req_id, why)
+            self.stats.event("recomputes", req_id, f"checksum {why}")
+            for peer, msg in rd.notices:  # the READ itself ended: P may free its blocks
+                self.peers.send(peer, msg)
+            self.out.report(recvd={req_id}, bad_blocks=rd.task.local_block_ids)
 
     def _tell_p_again(self, rd: _Read) -> None:
         """A fenced pull READ's Done to every P rank of its release plan, meeting P afresh."""

@@ -38,6 +38,11 @@ COUNTERS = (
     "recomputes",  # either side: a request falls back to computing the KV itself
     "transfers_fenced",  # READs/WRITEs still running past their deadline: peer agent dropped
     "transfers_unfenced",  # ... that reported no end FENCE_S after that (given up on anyway)
+    "checksums_verified",  # READs/push WRITEs whose blocks' checksums equal the source's
+    "checksum_mismatches",  # ... that differed: the request recomputes
+    "checksums_unanswered",  # ... whose source did not answer in time: recomputes too
+    "checksums_unchecked",  # transfers chosen for a check that could not have one
+    "corruptions_injected",  # chaos only: bytes flipped in received blocks (faults.py)
     "sends_expired",  # P: no decode read an offer's KV within send_timeout_s
     "sends_released",  # P: the router said no decode will read an offer's KV (D refused it)
     "notifications",  # NIXL notifications received

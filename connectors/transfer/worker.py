@@ -25,11 +25,13 @@ import msgspec
 
 from kvferry.connectors.config import BUSY_POLL_S, IDLE_POLL_S, ConnectorConfig
 from kvferry.connectors.memory.backends import KVLayout
+from kvferry.connectors.memory.checksum import BlockSums
 from kvferry.connectors.protocol import messages, send_release
 from kvferry.connectors.protocol.lease_control import Refused
 from kvferry.connectors.protocol.params import PROTOCOL_VERSION
 from kvferry.connectors.protocol.step import PushSend, StepMeta
 from kvferry.connectors.protocol.tp_map import Ranks
+from kvferry.connectors.transfer import verify
 from kvferry.connectors.transfer.handshake import HandshakeServer
 from kvferry.connectors.transfer.layer_push import LayerFence
 from kvferry.connectors.transfer.mirror import Mirror, Staging
@@ -77,8 +79,11 @@ class TransferWorker:
         self.out = ResultBox()
         self.mirror = Mirror(staging, self.stats)
         self.peers = Peers(self.transport, rank, cfg.handshake_timeout_s)
-        io = RankIO(self.transport, self.peers, self.ranks, self.out, self.mirror, self.stats)
-        self.reads = Reads(io, cfg.recv_timeout_s)
+        sums = BlockSums(layout)
+        self._server.on_sums = lambda req: verify.answer(sums, req)
+        io = RankIO(self.transport, self.peers, self.ranks, self.out, self.mirror, self.stats,
+                    sums)
+        self.reads = Reads(io, cfg.recv_timeout_s, cfg.kv_checksums, cfg.kv_checksum_fraction)
         self.sends = Sends(self.out, cfg.send_timeout_s, self.stats)
         self.push_recv = PushRecv(cfg, engine_id, io)
         self.push_write = PushWrite(cfg, io, steps=lambda: self.steps, drain=self._drain_inbox)
@@ -206,7 +211,7 @@ class TransferWorker:
                 self.sends.on_done(msg, now)
             elif isinstance(msg, messages.Register | messages.Abort):
                 self.push_write.on_message(msg, now)
-            elif isinstance(msg, messages.Wrote | messages.Rejected):
+            elif isinstance(msg, messages.Wrote | messages.Sums | messages.Rejected):
                 self.push_recv.on_message(msg, now)
             else:
                 log.warning("ignoring a notification that is not a kvferry message")
