@@ -45,14 +45,21 @@ def shared_group(item: pytest.Item) -> str | None:
     return str(mark.args[0]) if mark else None
 
 
+def _runs_last(item: pytest.Item) -> bool:
+    mark = item.get_closest_marker("shared_stack")
+    return bool(mark and mark.kwargs.get("last"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "shared_stack(name): the module's engines are the "
-                            "session's shared pair `name` (tests/shared_stacks.py)")
+    config.addinivalue_line("markers", "shared_stack(name, last=False): the module's engines "
+                            "are the session's shared pair `name` (tests/shared_stacks.py); "
+                            "`last`: it runs after the pair's other modules (it kills one)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules sharing an engine pair run one after another, from where the first of
-    them was (each module's own order is kept)."""
+    them was (each module's own order is kept; a module marked ``last`` goes after the rest,
+    since it ends the pair)."""
     out: list[pytest.Item] = []
     placed: set[str] = set()
     for item in items:
@@ -61,7 +68,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             out.append(item)
         elif name not in placed:
             placed.add(name)
-            out += [i for i in items if shared_group(i) == name]
+            group = [i for i in items if shared_group(i) == name]
+            out += sorted(group, key=_runs_last)  # stable: each module's order is kept
     items[:] = out
 
 

@@ -47,6 +47,15 @@ class _Open:
 _OPEN: dict[str, _Open] = {}
 
 
+PD = PairConfig({
+    # pull (tests/test_e2e_pull.py): P holds unread KV 20 s, D waits 8 s for a READ
+    "recv_timeout_s": 8, "handshake_timeout_s": 3, "send_timeout_s": 20,
+    # push (tests/test_e2e_push.py, first: test_e2e_pull.py kills P last), layer-wise
+    "push_hold_timeout_s": 8, "push_register_timeout_s": 8, "push_recv_timeout_s": 20,
+    "push_quarantine_s": 1, "layerwise_push": True})
+"""The pair "pd": default engine arguments, the pull and push modules' kvferry settings."""
+
+
 def shared(name: str, config: PairConfig, tmp_path_factory: pytest.TempPathFactory) -> Stack:
     """The pair ``name`` (started now if it is not running), without a router; at baseline."""
     got = _OPEN.get(name)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import signal
 import time
+from contextlib import ExitStack
 
 import httpx
 import msgspec
 import pytest
 from helpers_http import closed_port_url, serve
 from helpers_sse import strict_events
+from shared_stacks import PD, shared
 from stack import (
     ROUTERS,
     assert_no_engine_fields,
@@ -23,8 +25,8 @@ from stack import (
     free_port,
     outputs_differ,
     prompt,
-    tiny_stack,
     wait_until,
+    with_router,
 )
 
 from kvferry.connectors.detokenizer_window import DEFAULT_WINDOW
@@ -33,19 +35,21 @@ from kvferry.connectors.protocol.params import RemotePrefill, prompt_hash, sign
 from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 
-pytestmark = pytest.mark.engine
+# The "pd" pair with test_e2e_push.py; last, since its last test kills P.
+pytestmark = [pytest.mark.engine, pytest.mark.shared_stack("pd", last=True)]
 
 # CPU engines use 128-token blocks: one partial block, block edges, many blocks.
 LENGTHS = (3, 127, 128, 129, 700, 2100)
-EXTRA = {"recv_timeout_s": 8, "handshake_timeout_s": 3, "send_timeout_s": 20}
+EXTRA = PD.extra
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     # No conversations here: a chat request without an id is not leased on D (every block
     # must be free after each test), which content reuse would do.
-    with tiny_stack(tmp_path_factory, EXTRA, router={"content_reuse": False}) as s:
-        yield s
+    s = shared("pd", PD, tmp_path_factory)
+    with ExitStack() as es:
+        yield with_router(es, s, {"content_reuse": False})
 
 
 def offer_for(stack, toks: list[int]) -> dict:

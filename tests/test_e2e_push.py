@@ -14,10 +14,12 @@ import json
 import threading
 import time
 import uuid
+from contextlib import ExitStack
 
 import httpx
 import pytest
 from helpers_sse import strict_events
+from shared_stacks import PD, shared
 from stack import (
     STARTUP_S,
     assert_same_output,
@@ -27,22 +29,23 @@ from stack import (
     prompt,
     settled_writes,
     start_engine,
-    tiny_stack,
     wait_until,
+    with_router,
 )
 
 from kvferry.scripts.procs import stop_all, wait_healthy
 
-pytestmark = pytest.mark.engine
+# The "pd" pair, shared with test_e2e_pull.py (which runs after this module).
+pytestmark = [pytest.mark.engine, pytest.mark.shared_stack("pd")]
 
-EXTRA = {"push_hold_timeout_s": 8, "push_register_timeout_s": 8, "push_recv_timeout_s": 20,
-         "push_quarantine_s": 1, "handshake_timeout_s": 3, "layerwise_push": True}
+EXTRA = PD.extra
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with tiny_stack(tmp_path_factory, EXTRA) as s:
-        yield s
+    s = shared("pd", PD, tmp_path_factory)
+    with ExitStack() as es:
+        yield with_router(es, s)
 
 
 def legs(stack, port: int | None = None) -> tuple[str, dict, dict]:

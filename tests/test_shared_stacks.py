@@ -29,10 +29,11 @@ class FakeItem:
 
     name: str
     group: str | None = None
+    last: bool = False
 
     def get_closest_marker(self, name: str) -> Any:
         if name == "shared_stack" and self.group:
-            return pytest.mark.shared_stack(self.group).mark
+            return pytest.mark.shared_stack(self.group, last=self.last).mark
         return None
 
 
@@ -43,6 +44,16 @@ def test_modules_of_one_pair_run_back_to_back_in_their_own_order() -> None:
     conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     assert [i.name for i in items] == ["a1", "reuse1", "reuse2", "turns1", "turns2", "tp1",
                                        "other1", "z1"]
+
+
+def test_a_module_marked_last_runs_after_the_pairs_others() -> None:
+    """test_e2e_pull.py kills P in its last test: test_e2e_push.py, after it by name, runs
+    first on the pair they share."""
+    items = [FakeItem("a1"), FakeItem("pull1", "pd", last=True),
+             FakeItem("pull2", "pd", last=True), FakeItem("push1", "pd"),
+             FakeItem("push2", "pd"), FakeItem("z1")]
+    conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
+    assert [i.name for i in items] == ["a1", "push1", "push2", "pull1", "pull2", "z1"]
 
 
 def teardown(item: FakeItem, nextitem: FakeItem | None) -> None:
