@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU (H200 or H100) run of benchmarks/checksum_cost.py: one GPU (the device machine), the GPU kit in
 # .kit (shared gpukit README). For each MODE (off, sample, all) `kvferry up --share-device
-# 12 --kv-checksums MODE` on a qwen3-8b shape (dummy weights), then N one-at-a-time pulled
+# 12 --kv-checksums MODE` on a qwen3-8b shape (dummy weights), then N one-at-a-time (pulled, or pushed with TRANSFER=push)
 # requests of 16k random tokens through the router; one result line per mode.
 # usage: KVFERRY_COMMIT=<commit> N=20 [TRANSFER=push] bash benchmarks/h200_checksums.sh off all sample
 set -uo pipefail
