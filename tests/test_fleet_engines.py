@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import secrets
 import signal
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -220,11 +221,45 @@ def test_engine_added_through_the_engines_file_gets_work(fleet: Fleet) -> None:
                           change="added") == 1
 
 
-# D must still be decoding when the client, 6 tokens in, kills it. The kill lands as late
-# as the client is behind D: with 160 tokens (~1 s of D's decoding) a CI run on 2 busy
-# cores once saw D finish first, and the stream then needed no migration. 1200 tokens
-# give D ~8 s, far past how far the client lags; `finished` below names that case.
+# D must still be decoding when it is killed. A kill decided on the client's token count
+# lands as late as the client (and the router before it) are behind D: a CI run on two
+# busy cores once saw D finish all of its tokens first, and the stream then needed no
+# migration. So a thread watches D's own counters and kills D once it has generated
+# KILL_AFTER tokens of this stream and still runs it (both read in one /metrics answer).
 KILLED_STREAM_TOKENS = 1200
+KILL_AFTER = 30
+
+
+class DecodeKiller(threading.Thread):
+    """SIGKILLs ``victim`` once its generated tokens passed ``base + KILL_AFTER`` while
+    it was still running a request; ``seen`` keeps what the deciding read showed."""
+
+    def __init__(self, victim: Engine) -> None:
+        super().__init__(daemon=True)
+        self.victim = victim
+        self.base = self._read()[0]
+        self.seen: tuple[float, float] | None = None
+
+    def _read(self) -> tuple[float, float]:
+        text = httpx.get(self.victim.url + "/metrics", timeout=10, trust_env=False).text
+
+        def total(name: str) -> float:
+            return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                       if ln.startswith((name + "{", name + " ")))
+
+        return total("vllm:generation_tokens_total"), total("vllm:num_requests_running")
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            generated, running = self._read()
+            # (before its first token D may not run the request yet: it waits for P's KV)
+            if generated - self.base >= KILL_AFTER or (generated > self.base and running == 0):
+                self.seen = (generated - self.base, running)
+                if running >= 1:
+                    self.victim.child.signal_group(signal.SIGKILL)
+                return
+            time.sleep(0.02)
 
 
 def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> None:
@@ -233,12 +268,16 @@ def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> Non
     body = {"model": fleet.model, "prompt": toks, "max_tokens": n, "temperature": 0,
             "stream": True, "return_token_ids": True, "ignore_eos": True}
 
-    def run(kill_after: int | None) -> tuple[list[int], str, bytes]:
+    def run(kill: bool) -> tuple[list[int], str, bytes, DecodeKiller | None]:
         ids: list[int] = []
         with httpx.stream("POST", fleet.b.url + "/v1/completions", json=body, timeout=300,
                           trust_env=False, headers=OPERATOR) as r:
             assert r.status_code == 200
             served = r.headers["x-kvferry-decode"]
+            killer = None
+            if kill:
+                killer = DecodeKiller(next(e for e in (fleet.d0, fleet.d1) if e.url == served))
+                killer.start()
             raw = b""
             for line in r.iter_lines():
                 raw += line.encode() + b"\n"
@@ -246,19 +285,20 @@ def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> Non
                     continue
                 for c in json.loads(line[6:]).get("choices", []):
                     ids += c.get("token_ids") or []
-                if kill_after is not None and len(ids) >= kill_after:
-                    victim = next(e for e in (fleet.d0, fleet.d1) if e.url == served)
-                    victim.child.signal_group(signal.SIGKILL)
-                    kill_after = None
-        return ids, served, raw
+        if killer is not None:
+            killer.join(10)
+        return ids, served, raw, killer
 
-    whole, _, _ = run(None)  # uninterrupted, through the same router
+    whole, _, _, _ = run(False)  # uninterrupted, through the same router
     colocated = complete(fleet.p.url, fleet.model, toks, max_tokens=n,
                          ignore_eos=True)["choices"][0]
     assert len(whole) == n and whole == colocated["token_ids"]
     migrations = {r: fleet.b.metric("kvferry_router_migrations_total", result=r)
                   for r in ("ok", "finished")}
-    got, killed, raw = run(kill_after=6)
+    got, killed, raw, killer = run(True)
+    assert killer is not None and killer.seen is not None, "D's counters never moved"
+    generated, running = killer.seen
+    assert running >= 1, f"D had finished ({generated:.0f} tokens) before it could be killed"
     assert b'"error"' not in raw and raw.rstrip().endswith(b"data: [DONE]")
     assert_no_engine_fields(raw.decode())
     assert got == whole  # one stream, token for token
