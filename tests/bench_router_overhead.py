@@ -41,7 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers_http import FakeEngine, free_port, serve  # noqa: E402
+from helpers_http import FakeEngine, free_port, healthy, serve  # noqa: E402
 
 from kvferry.router.api.app import create_app  # noqa: E402
 from kvferry.router.settings import RouterSettings  # noqa: E402
@@ -190,7 +190,7 @@ def fleet(args: argparse.Namespace) -> list[dict]:
                                      name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             stack.callback(proc.kill)
             engines[name] = f"http://127.0.0.1:{port}"
-            wait_for(lambda u=engines[name]: _healthy(u), 30, f"fake {name} up")
+            wait_for(lambda u=engines[name]: healthy(u), 30, f"fake {name} up")
         routers = [RouterProcess(["--prefill", engines["prefill"], "--decode",
                                   engines["decode"], "--health-interval", "0"], "bench",
                                  logs / f"router-{i}.log")
@@ -240,13 +240,6 @@ def fleet(args: argparse.Namespace) -> list[dict]:
     for line in lines:
         print(json.dumps(line), flush=True)
     return lines
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 if __name__ == "__main__":

@@ -43,6 +43,16 @@ def engine_name(router: str, engine: str) -> str:
                 if e["url"] == engine)
 
 
+def healthy(url: str) -> bool:
+    """``url``'s /health answers 200 (a started fake or router is serving)."""
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range (engines bind it
     tens of seconds later), and procs.PORT_GAP (8) from every other port handed out in

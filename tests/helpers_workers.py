@@ -8,9 +8,12 @@ Test modules take the fixture as ``engines = helpers_workers.engines``.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from kvferry.connectors.memory.backends import CpuBackend
 from kvferry.connectors.protocol.params import SECRET_ENV
 from kvferry.connectors.protocol.step import StepMeta
 from kvferry.connectors.scheduling.scheduler import TransferScheduler
+from kvferry.connectors.transfer import faults
 from kvferry.connectors.transfer.results import Results
 from kvferry.connectors.transfer.worker import TransferWorker
 
@@ -150,3 +154,21 @@ def wait_ranks(workers: list[TransferWorker], accs: list[Results], req: str, wha
 def settle(e: Engine, seconds: float = 0.5) -> Results:
     """What ``e`` reports within ``seconds`` (for checks that something did NOT happen)."""
     return e.collect(lambda r: False, seconds)
+
+
+def install_fault_plan(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                       tag: str) -> Callable[[list[dict]], Path]:
+    """The fault hooks (connectors/transfer/faults.py) on, reading a plan file under
+    ``tmp_path`` at once; returns ``rules(rs)``, which writes the plan and returns the
+    events dir (one line per hit). ``tag`` seeds the plan's random choices."""
+    path, events = tmp_path / "plan.json", tmp_path / "events"
+    monkeypatch.setattr(faults, "RELOAD_S", 0.0)
+    monkeypatch.setattr(faults, "ACTIVE", True)
+    monkeypatch.setattr(faults, "_PLAN", faults._Plan(str(path), tag))
+
+    def rules(rs: list[dict]) -> Path:
+        path.write_text(json.dumps({"seed": 1, "events": str(events), "rules": rs}))
+        os.utime(path, (time.time() + 1, time.time() + 1))
+        return events
+
+    return rules

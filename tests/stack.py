@@ -384,7 +384,12 @@ COLOCATED_TOL = 0.15
 
 def metric_at(url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus sample on ``url``'s /metrics (an engine, a router; 0 if absent)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    return sample_sum(httpx.get(url + "/metrics", timeout=10).text, name, **labels)
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample in one /metrics answer (0 if absent): several samples
+    read from the same answer belong to the same moment."""
     total = 0.0
     for line in text.splitlines():
         if not line.startswith((name + "{", name + " ")):

@@ -9,8 +9,6 @@ WRITEs: P sends its source blocks' sums once its WRITE ended, D compares.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import helpers_workers
@@ -25,6 +23,7 @@ from helpers_workers import (
     caches,
     d_register,
     d_task,
+    install_fault_plan,
     p_done,
     p_finish,
     written,
@@ -33,7 +32,7 @@ from helpers_workers import (
 from kvferry.connectors.memory.backends import VRAM, CpuBackend, KVLayout, Plane, Region
 from kvferry.connectors.memory.checksum import BlockSums
 from kvferry.connectors.protocol import messages
-from kvferry.connectors.transfer import faults, verify
+from kvferry.connectors.transfer import verify
 
 engines = helpers_workers.engines  # in-process P and D workers over real NIXL
 pytestmark = pytest.mark.timeout(60)
@@ -123,16 +122,7 @@ def test_a_source_that_does_not_answer_ends_the_check_unanswered(monkeypatch) ->
 
 @pytest.fixture
 def hooks(monkeypatch, tmp_path):
-    path = tmp_path / "plan.json"
-    monkeypatch.setattr(faults, "RELOAD_S", 0.0)
-    monkeypatch.setattr(faults, "ACTIVE", True)
-    monkeypatch.setattr(faults, "_PLAN", faults._Plan(str(path), "d"))
-
-    def rules(rs: list[dict]) -> None:
-        path.write_text(json.dumps({"seed": 1, "rules": rs}))
-        os.utime(path, (time.time() + 1, time.time() + 1))
-
-    return rules
+    return install_fault_plan(monkeypatch, tmp_path, "d")
 
 
 def _pull(engines, mode: str):

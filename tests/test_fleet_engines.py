@@ -35,6 +35,7 @@ from stack import (
     assert_same_output,
     complete,
     prompt,
+    sample_sum,
     start_engine,
     warm_up,
 )
@@ -242,12 +243,8 @@ class DecodeKiller(threading.Thread):
 
     def _read(self) -> tuple[float, float]:
         text = httpx.get(self.victim.url + "/metrics", timeout=10, trust_env=False).text
-
-        def total(name: str) -> float:
-            return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                       if ln.startswith((name + "{", name + " ")))
-
-        return total("vllm:generation_tokens_total"), total("vllm:num_requests_running")
+        return (sample_sum(text, "vllm:generation_tokens_total"),
+                sample_sum(text, "vllm:num_requests_running"))
 
     def run(self) -> None:
         deadline = time.monotonic() + 120

@@ -11,7 +11,6 @@ next request owning them); any byte of the late transfer landing afterwards show
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -25,13 +24,12 @@ from helpers_workers import (
     Engine,
     d_register,
     d_task,
+    install_fault_plan,
     p_done,
     p_finish,
     settle,
     written,
 )
-
-from kvferry.connectors.transfer import faults
 
 engines = helpers_workers.engines  # in-process P and D workers over real NIXL
 pytestmark = pytest.mark.timeout(60)
@@ -42,18 +40,7 @@ LAG_S = 1.5  # the transfer lands this long after it was decided, past the abort
 
 @pytest.fixture
 def hooks(monkeypatch, tmp_path):
-    """``hooks(rules)`` installs a fault plan; returns the events dir (one line per hit)."""
-    path, events = tmp_path / "plan.json", tmp_path / "events"
-    monkeypatch.setattr(faults, "RELOAD_S", 0.0)
-    monkeypatch.setattr(faults, "ACTIVE", True)
-    monkeypatch.setattr(faults, "_PLAN", faults._Plan(str(path), "test"))
-
-    def rules(rs: list[dict]) -> Path:
-        path.write_text(json.dumps({"seed": 1, "events": str(events), "rules": rs}))
-        os.utime(path, (time.time() + 1, time.time() + 1))
-        return events
-
-    return rules
+    return install_fault_plan(monkeypatch, tmp_path, "test")
 
 
 def hits(events: Path, point: str) -> int:

@@ -6,15 +6,11 @@ hooks (connectors/transfer/faults.py)."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import helpers_workers
 import pytest
-from helpers_workers import D_BLOCKS, P_BLOCKS, d_task, p_finish
-
-from kvferry.connectors.transfer import faults
+from helpers_workers import D_BLOCKS, P_BLOCKS, d_task, install_fault_plan, p_finish
 
 engines = helpers_workers.engines  # in-process P and D workers over real NIXL
 pytestmark = pytest.mark.timeout(60)
@@ -24,16 +20,7 @@ SEND_TIMEOUT_S = 60.0  # far beyond the test: a free within seconds is D's notic
 
 @pytest.fixture
 def hooks(monkeypatch, tmp_path):
-    path = tmp_path / "plan.json"
-    monkeypatch.setattr(faults, "RELOAD_S", 0.0)
-    monkeypatch.setattr(faults, "ACTIVE", True)
-    monkeypatch.setattr(faults, "_PLAN", faults._Plan(str(path), "d"))
-
-    def rules(rs: list[dict]) -> None:
-        path.write_text(json.dumps({"seed": 1, "rules": rs}))
-        os.utime(path, (time.time() + 1, time.time() + 1))
-
-    return rules
+    return install_fault_plan(monkeypatch, tmp_path, "d")
 
 
 def _read(engines, d_cfg: dict):

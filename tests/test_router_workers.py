@@ -13,20 +13,13 @@ from pathlib import Path
 import httpx
 import psutil
 from fleet_stack import RedisServer, RouterProcess, wait_for
-from helpers_http import free_port
+from helpers_http import free_port, healthy
 from helpers_router_fleet import fresh_redis, redis_server  # noqa: F401
 
 from kvferry.router.api import workers
 from kvferry.router.settings import RouterSettings
 
 HERE = Path(__file__).resolve().parent
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_more_than_one_worker_needs_shared_state() -> None:
@@ -51,7 +44,7 @@ def test_two_workers_share_the_port_and_drain(fresh_redis: RedisServer,  # noqa:
             engines.append(f"http://127.0.0.1:{port}")
             # The fake is a Python process: beside the engine tests its imports take seconds,
             # and with probes off (--health-interval 0) the router would send to a closed port.
-            wait_for(lambda u=engines[-1]: _healthy(u), 60, f"fake {name} up")
+            wait_for(lambda u=engines[-1]: healthy(u), 60, f"fake {name} up")
         router = RouterProcess(["--prefill", engines[0], "--decode", engines[1],
                                 "--health-interval", "0", "--workers", "2",
                                 "--state", fresh_redis.url], "test", tmp_path / "router.log")
