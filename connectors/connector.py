@@ -21,6 +21,7 @@ from kvferry.connectors.memory.registry import backend_class, get_backend
 from kvferry.connectors.protocol import timeline
 from kvferry.connectors.protocol.params import SECRET_ENV, secret, spend_attempts
 from kvferry.connectors.scheduling.scheduler import ReuseSettings, StepMeta, TransferScheduler
+from kvferry.connectors.transfer import faults
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -280,6 +281,8 @@ class KvferryConnector(KVConnectorBase_V1):
         in 0.32+ (`compat`): too late for this step's layer hooks, whose fences the
         transfer thread pairs with the step's prompts."""
         super().bind_connector_metadata(connector_metadata)
+        if faults.ACTIVE:
+            faults.lost("step")  # a test's slow engine (a `delay` rule): its steps take longer
         if isinstance(connector_metadata, KvferryMeta) and self._worker is not None:
             self._step += 1
             self._worker.submit(connector_metadata.step, self._step)

@@ -77,7 +77,9 @@ def engines(monkeypatch):
     made: list[Engine] = []
 
     def make(role: str, seed: int | None = None, **cfg) -> Engine:
-        cfg.setdefault("handshake_timeout_s", 1.0)
+        # Generous: a handshake on a busy CI core took over a second (D recomputed); tests
+        # of a dead or silent peer pass their own short timeout.
+        cfg.setdefault("handshake_timeout_s", 15.0)
         e = Engine(role, seed, **cfg)
         made.append(e)
         return e
@@ -149,6 +151,12 @@ def wait_ranks(workers: list[TransferWorker], accs: list[Results], req: str, wha
             break
         time.sleep(0.005)
     return accs
+
+
+def failures(*es: Engine) -> list[tuple[str, str, str]]:
+    """The failure events (counter, key, why) ``es`` recorded: an assertion's message."""
+    return [(e.engine_id, ev.name, f"{ev.key}: {ev.detail}") for e in es
+            for ev in e.worker.stats.snapshot().events if "fail" in ev.name or ev.detail]
 
 
 def settle(e: Engine, seconds: float = 0.5) -> Results:

@@ -250,20 +250,21 @@ def start_engine(role: str, model: str, logs: Path, secret: str, connector: str 
                  extra: dict[str, Any] | None = None, cpus: tuple[int, ...] | None = None,
                  backend: str = "cpu", engine_args: tuple[str, ...] = (), mode: str = "pull",
                  devices: tuple[int, ...] | None = None, tp: int = 1,
-                 bind: str | None = None) -> Engine:
+                 bind: str | None = None, env: dict[str, str] | None = None) -> Engine:
     """``tp`` TP ranks (side ports side..side+tp-1; free_port keeps ports 8 apart);
-    ``bind`` overrides the CPU bind string (e.g. "0|1": one core per rank)."""
+    ``bind`` overrides the CPU bind string (e.g. "0|1": one core per rank); ``env`` is
+    added to the engine's environment."""
     port, side, control = free_port(), free_port(), free_port()
     spec = EngineSpec(role=role, model=model, port=port, connector=connector,  # type: ignore[arg-type]
                       side_channel_port=side, lease_control_port=control, cpus=cpus,
                       connector_extra=extra or {}, mode=mode, devices=devices,  # type: ignore[arg-type]
                       backend=backend, extra_args=engine_args,  # type: ignore[arg-type]
                       devices_per_engine=tp)
-    env = {**engine_env(spec), "KVFERRY_SECRET": secret}
+    full_env = {**engine_env(spec), "KVFERRY_SECRET": secret, **(env or {})}
     if bind is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        full_env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     child = Child(role, engine_argv(spec), logs / f"{role}-{port}.log",
-                  f"http://127.0.0.1:{port}/health", env)
+                  f"http://127.0.0.1:{port}/health", full_env)
     child.start()
     STARTED.append(child)
     engine = Engine(role, f"http://127.0.0.1:{port}", child, side, control,

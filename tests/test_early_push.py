@@ -10,7 +10,17 @@ import threading
 
 import helpers_workers
 import pytest
-from helpers_workers import D_BLOCKS, P_BLOCKS, PROMPT, Engine, blocks_of, d_register, settle, written
+from helpers_workers import (
+    D_BLOCKS,
+    P_BLOCKS,
+    PROMPT,
+    Engine,
+    blocks_of,
+    d_register,
+    failures,
+    settle,
+    written,
+)
 
 from kvferry.connectors.protocol.step import StepMeta
 from kvferry.connectors.scheduling.scheduler import TransferScheduler
@@ -147,7 +157,7 @@ def test_write_waits_for_fence_and_next_step_and_free_waits_for_finish(engines) 
     p.worker.submit(StepMeta(), 2)  # the next step began, but the device is not done
     assert "d1" not in d.collect(lambda r: "d1" in r.recvd, 0.4).recvd
     fence.passed.set()
-    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
+    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set(), failures(p, d)
     assert written(d, p, D_BLOCKS, P_BLOCKS)
     # Written before P's scheduler finished the request: vLLM must not free it yet.
     assert "p1" not in settle(p, 0.3).sent
@@ -162,7 +172,7 @@ def test_write_waits_for_the_next_step_to_begin(engines) -> None:
     forward(p, 1)  # fence None: complete, but step 2 may still preempt the request
     assert "d1" not in d.collect(lambda r: "d1" in r.recvd, 0.4).recvd
     p.worker.submit(StepMeta(), 2)
-    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
+    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set(), failures(p, d)
     assert written(d, p, D_BLOCKS, P_BLOCKS)
 
 
@@ -204,7 +214,7 @@ def test_finish_before_release_takes_the_normal_path_without_leaks(engines) -> N
     d_register(d, p, "d1", "t1", D_BLOCKS)
     forward(p, 1)
     assert finish(p, True, 2)
-    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set()
+    assert d.collect(lambda r: "d1" in r.recvd, 15).bad_blocks == set(), failures(p, d)
     assert written(d, p, D_BLOCKS, P_BLOCKS)
     assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
     assert p.worker.push_write.num_unfinished == 0 and p.worker.push_write.num_tracked == 0

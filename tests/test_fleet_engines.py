@@ -40,6 +40,7 @@ from stack import (
     warm_up,
 )
 
+from kvferry.connectors.transfer import faults
 from kvferry.router.settings import RouterSettings
 from kvferry.scripts.engines import available_cpus
 from kvferry.scripts.procs import stop_all, wait_healthy
@@ -68,6 +69,7 @@ class Fleet:
     redis: RedisServer
     engines_file: Path
     model: str
+    faults_plan: Path
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +84,13 @@ def fleet(tmp_path_factory):
         children: list = []
         stack.callback(stop_all, children)
 
+        plan = logs / "faults.json"  # the decode engines' fault plan: empty until a test
+        plan.write_text(json.dumps({"rules": []}))  # slows them (DecodeKiller)
+
         def start(role: str, cpu: int, args: tuple[str, ...] = ()) -> Engine:
+            env = {faults.ENV: str(plan), faults.TAG_ENV: "decode"} if role == "decode" else {}
             e = start_engine(role, model, logs, secret, extra=EXTRA, cpus=(cpu,),
-                             engine_args=args)
+                             engine_args=args, env=env)
             children.append(e.child)
             return e
 
@@ -106,7 +112,7 @@ def fleet(tmp_path_factory):
         for r in (a, b):
             stack.callback(r.kill)
             r.start()
-        yield Fleet(p, d0, d1, a, b, redis, engines_file, model)
+        yield Fleet(p, d0, d1, a, b, redis, engines_file, model, plan)
 
 
 def turn(router: RouterProcess, fleet: Fleet, toks: list[int], cid: str | None
@@ -223,21 +229,25 @@ def test_engine_added_through_the_engines_file_gets_work(fleet: Fleet) -> None:
 
 
 # D must still be decoding when it is killed. A kill decided on the client's token count
-# lands as late as the client (and the router before it) are behind D: a CI run on two
-# busy cores once saw D finish all of its tokens first, and the stream then needed no
-# migration. So a thread watches D's own counters and kills D once it has generated
-# KILL_AFTER tokens of this stream and still runs it (both read in one /metrics answer).
-KILLED_STREAM_TOKENS = 1200
+# lands as late as the client (and the router before it) are behind D, and one decided on
+# D's /metrics as late as D's API server is behind its engine core: CI runs on two busy
+# cores saw D finish all of its 1,200 tokens first, both ways, and the stream then needed
+# no migration. So for this stream the decode engines' steps are slowed (a `step` delay in
+# their fault plan: STEP_DELAY_S x KILLED_STREAM_TOKENS is the window), and a thread kills
+# the serving D once its counters show KILL_AFTER tokens of the stream generated and the
+# request still running (both from one /metrics answer), then lifts the delay.
+KILLED_STREAM_TOKENS = 600
 KILL_AFTER = 30
+STEP_DELAY_S = 0.03
 
 
 class DecodeKiller(threading.Thread):
     """SIGKILLs ``victim`` once its generated tokens passed ``base + KILL_AFTER`` while
     it was still running a request; ``seen`` keeps what the deciding read showed."""
 
-    def __init__(self, victim: Engine) -> None:
+    def __init__(self, victim: Engine, plan: Path) -> None:
         super().__init__(daemon=True)
-        self.victim = victim
+        self.victim, self.plan = victim, plan
         self.base = self._read()[0]
         self.seen: tuple[float, float] | None = None
 
@@ -247,6 +257,12 @@ class DecodeKiller(threading.Thread):
                 sample_sum(text, "vllm:num_requests_running"))
 
     def run(self) -> None:
+        try:
+            self._watch()
+        finally:
+            slow_decode(self.plan, False)  # the stream goes on elsewhere at full speed
+
+    def _watch(self) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             generated, running = self._read()
@@ -257,6 +273,21 @@ class DecodeKiller(threading.Thread):
                     self.victim.child.signal_group(signal.SIGKILL)
                 return
             time.sleep(0.02)
+
+
+def slowed_steps(plan: Path) -> int:
+    """Decode steps the ``step`` rule has delayed so far (the engines' fault events)."""
+    return sum(ln.count('"point": "step"') for f in (plan.parent / "hits").glob("*.jsonl")
+               for ln in f.read_text().splitlines())
+
+
+def slow_decode(plan: Path, on: bool) -> None:
+    """The decode engines' steps take STEP_DELAY_S longer (``on``), or run at full speed;
+    an engine reads its plan again within `faults.RELOAD_S`."""
+    rules = [{"point": "step", "action": "delay", "p": 1.0, "s": STEP_DELAY_S}] if on else []
+    tmp = plan.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"seed": 1, "rules": rules, "events": str(plan.parent / "hits")}))
+    tmp.replace(plan)
 
 
 def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> None:
@@ -273,7 +304,8 @@ def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> Non
             served = r.headers["x-kvferry-decode"]
             killer = None
             if kill:
-                killer = DecodeKiller(next(e for e in (fleet.d0, fleet.d1) if e.url == served))
+                killer = DecodeKiller(next(e for e in (fleet.d0, fleet.d1) if e.url == served),
+                                      fleet.faults_plan)
                 killer.start()
             raw = b""
             for line in r.iter_lines():
@@ -292,10 +324,15 @@ def test_decode_killed_mid_stream_continues_token_for_token(fleet: Fleet) -> Non
     assert len(whole) == n and whole == colocated["token_ids"]
     migrations = {r: fleet.b.metric("kvferry_router_migrations_total", result=r)
                   for r in ("ok", "finished")}
-    got, killed, raw, killer = run(True)
+    slow_decode(fleet.faults_plan, True)
+    try:
+        got, killed, raw, killer = run(True)
+    finally:
+        slow_decode(fleet.faults_plan, False)
     assert killer is not None and killer.seen is not None, "D's counters never moved"
     generated, running = killer.seen
     assert running >= 1, f"D had finished ({generated:.0f} tokens) before it could be killed"
+    assert slowed_steps(fleet.faults_plan) >= KILL_AFTER  # the window was open
     assert b'"error"' not in raw and raw.rstrip().endswith(b"data: [DONE]")
     assert_no_engine_fields(raw.decode())
     assert got == whole  # one stream, token for token

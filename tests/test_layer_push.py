@@ -25,6 +25,7 @@ from helpers_workers import (
     N,
     blocks_of,
     d_register,
+    failures,
     settle,
     wait_ranks,
     written,
@@ -103,6 +104,13 @@ def counters(e: Engine) -> dict[str, int]:
     return e.worker.stats.snapshot().counters
 
 
+def landed(p: Engine) -> dict[str, int]:
+    """P's counters once it counted the WRITE: P tells D first (PushJob.complete), so D may
+    see its KV before P's transfer thread counts ``writes_done`` (a busy CI core did)."""
+    assert wait_for(lambda: counters(p)["writes_done"] >= 1), counters(p)
+    return counters(p)
+
+
 # -- pure parts -------------------------------------------------------------------------
 
 
@@ -164,8 +172,8 @@ def test_layers_land_as_their_fences_pass_and_d_waits_for_the_gate(engines) -> N
     p.worker.forward_done(meta.push_ready, None, 1)
     assert "d1" not in d.collect(lambda r: "d1" in r.recvd, 0.4).recvd
     p.worker.submit(StepMeta(), 2)
-    assert d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks == set()
-    c = counters(p)
+    assert d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks == set(), failures(p, d)
+    c = landed(p)
     assert (c["layered_writes"], c["layers_posted_early"], c["writes_done"]) == (1, 2, 1)
     assert (c["layer_batches"], c["layer_fences"]) == (2, 2)
     # Written before P's scheduler finished the request: vLLM must not free it yet.
@@ -187,7 +195,7 @@ def test_layers_without_a_hook_go_with_the_forwards_fence(engines) -> None:
     p.worker.submit(StepMeta(), 2)
     assert not wait_for(lambda: layer_landed(d, p, 0), 0.3)
     fence.passed.set()
-    assert d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks == set()
+    assert d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks == set(), failures(p, d)
     assert written(d, p, D_BLOCKS, P_BLOCKS)
     c = counters(p)
     assert (c["layered_writes"], c["layers_posted_early"], c["layer_batches"]) == (1, 0, 1)
@@ -202,9 +210,9 @@ def test_registration_after_the_forward_is_a_whole_write(engines) -> None:
     p.worker.submit(StepMeta(), 2)  # the gate opens with nobody to write to yet
     assert wait_for(lambda: p.worker.push_write.num_tracked == 1)  # gate open, prefill held
     d_register(d, p, "d1", "t1", D_BLOCKS)
-    assert d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks == set()
+    assert d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks == set(), failures(p, d)
     assert written(d, p, D_BLOCKS, P_BLOCKS)
-    c = counters(p)
+    c = landed(p)
     assert (c["layered_writes"], c["writes_done"]) == (0, 1)
     finish(p, True, 3)
     assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
@@ -246,7 +254,7 @@ def test_abort_during_the_forward_still_completes_the_write(engines) -> None:
     keep, _ = p.sched.finished("p1", False, P_BLOCKS, PUSH, PROMPT)
     assert keep
     p.worker.submit(p.sched.take_meta(), 2)  # push_abort_p, and the next step began
-    assert d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks == set()
+    assert d.collect(lambda r: "d1" in r.recvd, 10).bad_blocks == set(), failures(p, d)
     assert written(d, p, D_BLOCKS, P_BLOCKS)
     assert p.collect(lambda r: "p1" in r.sent, 10).sent == {"p1"}
     assert p.worker.push_write.num_tracked == 0

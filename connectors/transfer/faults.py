@@ -13,11 +13,13 @@ Points: ``notify`` (a NIXL notification about to be sent), ``notif_in`` (one rec
 ``post`` (a READ/WRITE about to be posted), ``peer_add`` (a peer's handshake metadata
 about to be loaded), ``done_hold`` (a finished transfer about to be reported),
 ``lease_handle`` (D answering a lease-control request), ``lease_call`` (the router's
-lease-control request), ``corrupt`` (a READ or push WRITE that ended: one byte of its
-first block is flipped before the receiver checks it, `hit`). Actions: ``drop`` (the
-message is lost, the post or peer set-up fails), ``delay`` (sleep ``s`` seconds first;
-``done_hold``: report DONE ``s`` seconds late). A rule with ``tags`` applies only in the
-processes named there (their ``$KVFERRY_FAULTS_TAG``). ``p`` is the chance per event,
+lease-control request), ``step`` (an engine step begins, before its forward: a ``delay``
+slows the engine, so a test can act on a request while it still runs), ``corrupt`` (a
+READ or push WRITE that ended: one byte of its first block is flipped before the receiver
+checks it, `hit`). Actions: ``drop`` (the message is lost, the post or peer set-up
+fails), ``delay`` (sleep ``s`` seconds first; ``done_hold``: report DONE ``s`` seconds
+late). A rule with ``tags`` applies only in the processes named there (their
+``$KVFERRY_FAULTS_TAG``). ``p`` is the chance per event,
 drawn from a generator seeded by the plan's seed and the tag, so a run's decisions replay.
 Each hit is appended as a JSON line to ``<events>/<tag>-<pid>.jsonl``: what the harness
 counts.
@@ -37,7 +39,7 @@ ENV = "KVFERRY_FAULTS"
 TAG_ENV = "KVFERRY_FAULTS_TAG"
 RELOAD_S = 0.5
 POINTS = ("notify", "notif_in", "post", "peer_add", "done_hold", "lease_handle", "lease_call",
-          "corrupt")
+          "corrupt", "step")
 
 ACTIVE = bool(os.environ.get(ENV))
 
