@@ -324,7 +324,7 @@ class TpEngine:
         from kvferry.connectors.transfer.worker import TransferWorker
 
         self.engine_id, self.port, self.tp = f"{role}-{uuid.uuid4().hex[:8]}", free_port(), tp
-        self.cfg = ConnectorConfig(side_channel_port=self.port, handshake_timeout_s=2.0,
+        self.cfg = ConnectorConfig(side_channel_port=self.port, handshake_timeout_s=15.0,
                                    recv_timeout_s=10.0, **cfg)
         base = gs or [torch.zeros(N, TP_HEADS, BS, 2 * HD) for _ in range(2)]
         self.kv = [{f"l{i}": _nhd(g, list(heads_of(r, tp, TP_HEADS))) for i, g in enumerate(base)}

@@ -83,7 +83,7 @@ class Engine:
         self.engine_id = f"{role}-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.cfg = ConnectorConfig(hardware_backend="neuron", neuron_staging="host",
-                                   side_channel_port=self.port, handshake_timeout_s=2.0)
+                                   side_channel_port=self.port, handshake_timeout_s=15.0)
         self.worker = TransferWorker(self.cfg, self.engine_id, 0, layout, ["UCX"],
                                      staging=self.backend.staging)
         self.sched = TransferScheduler(self.engine_id, "127.0.0.1", self.port, BS, stage_saves=True)

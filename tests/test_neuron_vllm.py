@@ -50,7 +50,7 @@ class Engine:
         self.port = free_port()
         self.model = model or Model()
         cfg = {"hardware_backend": "neuron", "neuron_staging": mode, "nixl_backends": ["UCX"],
-               "side_channel_port": self.port, "handshake_timeout_s": 2.0, **extra}
+               "side_channel_port": self.port, "handshake_timeout_s": 15.0, **extra}
         self.ranks = [FakeNeuronWorker(self.engine_id, cfg, mp, rank=r, tp_size=tp,
                                        num_blocks=NB, model=self.model, seed=seed)
                       for r in range(tp)]
