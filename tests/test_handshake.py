@@ -67,6 +67,7 @@ def test_fetch_from_closed_port_raises_within_timeout():
     assert time.monotonic() - t0 < 2.0
 
 
+@pytest.mark.timing
 def test_fetch_from_peer_that_never_answers_raises_within_timeout():
     ctx = zmq.Context.instance()
     mute = ctx.socket(zmq.REP)

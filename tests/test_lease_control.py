@@ -204,6 +204,7 @@ def test_ps_check_keeps_the_blocks_a_grace_the_routers_lookup_does_not():
     assert k.due_frees() == ["req-L1"]  # L2's blocks wait out P's READ (60 s here)
 
 
+@pytest.mark.timing
 def test_lease_check_never_blocks_the_thread_that_polls_it():
     """P's transfer thread polls `LeaseCheck` between other transfers: before D answers,
     a poll returns at once with no answer; D's answer arrives on a later poll."""

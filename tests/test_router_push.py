@@ -65,6 +65,7 @@ def sse_events(text: str) -> list[str]:
     return [ln[5:].strip() for ln in text.splitlines() if ln.startswith("data:")]
 
 
+@pytest.mark.timing
 def test_push_legs_concurrent_bodies_and_json_timing(
     cluster: Callable[..., Cluster], client: httpx.Client
 ) -> None:
@@ -141,6 +142,7 @@ def test_push_slow_prefill_does_not_hold_decode(
     wait_for(lambda: in_flight(client, url) == [0, 0])
 
 
+@pytest.mark.timing
 def test_push_stream_timing_event_before_done(
     cluster: Callable[..., Cluster], client: httpx.Client
 ) -> None:

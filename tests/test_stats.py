@@ -165,6 +165,7 @@ def test_engine_stats_sum_its_tp_ranks():
             s.close()
 
 
+@pytest.mark.timing
 def test_dead_peer_is_a_clear_error_within_the_deadline():
     port = free_port()
     t0 = time.monotonic()

@@ -127,6 +127,7 @@ def test_out_of_range_remote_blocks_fail_and_release_p(engines):
     assert p.collect(lambda r: "p-req" in r.sent, 5).sent == {"p-req"}  # P told to free now
 
 
+@pytest.mark.timing
 def test_p_send_timeout_frees_blocks_nobody_reads(engines):
     p = engines("P", seed=9, send_timeout_s=0.6)
     p_finish(p, "p-req", P_BLOCKS)
