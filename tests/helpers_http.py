@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvferry.connectors.protocol.lease import LeaseError
 from kvferry.router.wire.headers import OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_HEADER
+from kvferry.router.wire.sse import RawSend
 from kvferry.scripts import procs
 
 _GIVEN: set[int] = set()
@@ -71,11 +72,12 @@ def lease_reason(keeper: Any, lease_id: str) -> str | None:
 
 
 class ServerThread:
-    """Runs an ASGI app under uvicorn on 127.0.0.1:<free port> in a daemon thread."""
+    """Runs an ASGI app under uvicorn on 127.0.0.1:<free port> in a daemon thread, as
+    `kvferry router` does (wrapped in `RawSend`)."""
 
     def __init__(self, app: Any) -> None:
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+            RawSend(app), host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -45,6 +45,7 @@ from ..legs.request import RouterRequest
 from ..metrics import RouterMetrics
 from ..settings import MODES, Mode, RouterSettings
 from ..wire import bodies, validate
+from ..wire.sse import RawSend
 from ..wire.stream_client import StreamClient
 from . import auth, intake
 from .admission import Admission, AdmissionMiddleware
@@ -370,7 +371,7 @@ def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
     verbose = log_level.lower() in ("debug", "trace")
     if not verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(RawSend(app), host=host, port=port, log_level=log_level,
                             access_log=verbose,
                             timeout_graceful_shutdown=settings.drain_timeout_s)
     DrainingServer(config).run(sockets=[sock] if sock is not None else None)

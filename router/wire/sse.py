@@ -26,6 +26,25 @@ from .stream_client import LegResponse
 log = logging.getLogger(__name__)
 
 
+RAW_SEND = "kvferry.raw_send"
+"""Scope key of the server's own ``send`` (`RawSend`)."""
+
+
+class RawSend:
+    """The outermost ASGI app: keeps the server's own ``send`` in the scope, so a streamed
+    answer's body chunks skip the framework's send wrappers (Starlette's error and
+    exception middlewares each re-await every message only to learn whether the response
+    started; the start message still goes through them)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await self.app(scope, receive, send)
+
+
 def sse_error_event(message: str, status: int, err_type: str) -> bytes:
     """An in-band error event plus [DONE], for failures after headers were sent."""
     payload = json.dumps(error_body(message, status, err_type))
@@ -126,6 +145,7 @@ class UpstreamStream(Response):
         self._send_lock = asyncio.Lock()  # anyio's yields to the loop on every acquire
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body_send = scope.get(RAW_SEND, send)
         clean = False
         try:
             async with anyio.create_task_group() as tg:
@@ -139,7 +159,7 @@ class UpstreamStream(Response):
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
-                clean = await self._pump(send)
+                clean = await self._pump(send, body_send)
                 tg.cancel_scope.cancel()
         finally:
             await _close(self.current)
@@ -150,17 +170,19 @@ class UpstreamStream(Response):
         if self.background is not None:  # as Starlette's responses do, once all was sent
             await self.background()
 
-    async def _pump(self, send: Send) -> bool:
-        """Send the legs' bodies; True when the stream ended without an error."""
+    async def _pump(self, send: Send, body_send: Send) -> bool:
+        """Send the legs' bodies; True when the stream ended without an error. The start
+        goes through the app's own `send` (its middlewares track that a response started),
+        the body through `body_send` (`RawSend`)."""
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
         if self._head is None:
-            return await self._legs(send)
+            return await self._legs(body_send)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._send_head, send)
+            tg.start_soon(self._send_head, body_send)
             try:
-                return await self._legs(send)
+                return await self._legs(body_send)
             finally:
                 tg.cancel_scope.cancel()
 
