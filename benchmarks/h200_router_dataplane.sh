@@ -4,7 +4,8 @@
 # STACK (nixl: vLLM NixlConnector engines, all three impls; kvpull / kvpush: kvferry's
 # connector) `kvferry up --share-device 30` on a qwen3-0.6b shape, then the bench.
 # (overload: kvferry's router alone at 4x its admission capacity of 64 + 64, then at half.)
-# usage: KVFERRY_COMMIT=<commit> DUR=30 bash benchmarks/h200_router_dataplane.sh STACK...
+# usage: KVFERRY_COMMIT=<commit> DUR=30 [HW=h100x1] bash benchmarks/h200_router_dataplane.sh STACK...
+# (HW: the card the device tool gave, for the rows and the file name; default h200x1)
 set -uo pipefail
 bash .kit/install.sh .kit >/dev/null || exit 9
 source /tmp/kit-site/kit-env.sh
@@ -20,8 +21,8 @@ chmod +x /tmp/kvpkg/bin/kvferry && export PATH=/tmp/kvpkg/bin:$PATH
 export KVFERRY_COMMIT=${KVFERRY_COMMIT:-unknown} PYTHONUNBUFFERED=1
 python3 -c "import aiohttp, uvloop, psutil, kvferry.router.api.app; print('imports ok', aiohttp.__version__)" || exit 7
 M=/tmp/m06; [ -d $M ] || python3 -m kvferry.scripts.cli model --shape qwen3-0.6b $M >/dev/null || exit 6
-DUR=${DUR:-30}
-OUTF=$OUT/router_dataplane-h200x1-$(date +%Y%m%d).jsonl
+DUR=${DUR:-30} HW=${HW:-h200x1}
+OUTF=$OUT/router_dataplane-$HW-$(date +%Y%m%d).jsonl
 wait_up() { for i in $(seq 1 300); do
   curl -sf localhost:8100/health >/dev/null && curl -sf localhost:8200/health >/dev/null && curl -sf localhost:8000/health >/dev/null && return 0; sleep 1; done; return 1; }
 stop() { kill -INT $UPPID 2>/dev/null; for i in $(seq 1 40); do kill -0 $UPPID 2>/dev/null || break; sleep 1; done; kill -9 $UPPID 2>/dev/null
@@ -39,11 +40,11 @@ for S in "$@"; do
   if ! wait_up; then echo "stack $S did not come up"; tail -30 $OUT/up-$S.log; stop; continue; fi
   echo "stack $S up in $(( $(date +%s) - t0 )) s"
   if [ "$S" = overload ]; then  # a router of its own with 64 active + 64 queued, at 4x
-    python3 benchmarks/router_dataplane.py --hardware h200x1 --no-pin --prefill http://127.0.0.1:8100 \
+    python3 benchmarks/router_dataplane.py --hardware $HW --no-pin --prefill http://127.0.0.1:8100 \
       --decode http://127.0.0.1:8200 --overload --max-active 64 --kvferry-arg=--max-queued \
       --kvferry-arg=64 --output-len 128 --duration $DUR --log-dir $OUT --out $OUTF 2>&1 | tail -15
   else
-    python3 benchmarks/router_dataplane.py --hardware h200x1 --no-pin --prefill http://127.0.0.1:8100 \
+    python3 benchmarks/router_dataplane.py --hardware $HW --no-pin --prefill http://127.0.0.1:8100 \
       --decode http://127.0.0.1:8200 --kvferry http://127.0.0.1:8000 --duration $DUR --impls $IMPLS \
       --vllm-router /tmp/site/bin/vllm-router --log-dir $OUT --out $OUTF 2>&1 | tail -15
   fi
