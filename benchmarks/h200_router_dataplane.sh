@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 run of benchmarks/router_dataplane.py: one GPU (the device machine), GPU kit in
-# .kit (shared gpukit README), vllm-router + uvloop wheels in .whl and .kit/uvl; for each
+# .kit (shared gpukit README), vllm-router (+ orjson, setproctitle) and uvloop wheels in .whl
+# and .kit/uvl; for each
 # STACK (nixl: vLLM NixlConnector engines, all three impls; kvpull / kvpush: kvferry's
 # connector) `kvferry up --share-device 30` on a qwen3-0.6b shape, then the bench.
 # (overload: kvferry's router alone at 4x its admission capacity of 64 + 64, then at half.)
