@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=16384)
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--vocab-size", type=int, default=30000,
+                    help="prompt ids are drawn below this (the tiny CPU model has 1024)")
     ap.add_argument("--model", default="qwen3-8b", help="the shape, for the result line")
     ap.add_argument("--hardware", required=True, help="e.g. h100x1, h200x1, cpu")
     ap.add_argument("--out", type=Path, required=True)
@@ -56,7 +58,7 @@ def main() -> None:
         before = fetch_engine_stats(host, int(port))
         ttft: list[float] = []
         for i in range(a.warmup + a.n):
-            prompt = [rng.randrange(1000, 30000) for _ in range(a.input_len)]
+            prompt = [rng.randrange(a.vocab_size // 30, a.vocab_size) for _ in range(a.input_len)]
             t0 = time.perf_counter()
             r = c.post(a.router + "/v1/completions",
                        json={"model": served, "prompt": prompt, "max_tokens": 1},

@@ -18,6 +18,6 @@ for MODE in "$@"; do
   UPPID=$!
   if ! wait_up; then echo "stack $MODE did not come up"; tail -30 "$LOGS/up-$MODE.log"; stop; continue; fi
   .venv/bin/python benchmarks/checksum_cost.py --checksums "$MODE" --transfer "${TRANSFER:-pull}" \
-    --input-len "$INPUT_LEN" --n "$N" --model tiny-qwen3 --hardware cpu --out "$OUTF" 2>&1 | tail -3
+    --input-len "$INPUT_LEN" --n "$N" --vocab-size 1024 --model tiny-qwen3 --hardware cpu --out "$OUTF" 2>&1 | tail -3
   stop
 done
