@@ -9,15 +9,12 @@ N=${N:-10} INPUT_LEN=${INPUT_LEN:-16384} OUTD=${OUTD:-benchmarks/results}
 OUTF=$OUTD/kv_checksums-cpu-$(date +%Y%m%d).jsonl LOGS=${LOGS:-/tmp/cpu_checksums}
 mkdir -p "$LOGS"
 export KVFERRY_COMMIT=${KVFERRY_COMMIT:-$(git rev-parse --short HEAD)}
-wait_up() { for _ in $(seq 1 300); do
-  curl -sf localhost:8100/health >/dev/null && curl -sf localhost:8200/health >/dev/null && curl -sf localhost:8000/health >/dev/null && return 0; sleep 1; done; return 1; }
-stop() { kill -INT $UPPID 2>/dev/null; for _ in $(seq 1 40); do kill -0 $UPPID 2>/dev/null || break; sleep 1; done; kill -9 $UPPID 2>/dev/null
-  for p in 8000 8100 8200; do fuser -k $p/tcp 2>/dev/null; done; sleep 3; }
+source benchmarks/lib.sh
 for MODE in "$@"; do
   .venv/bin/kvferry up --max-model-len $((INPUT_LEN + 512)) --kv-checksums "$MODE" > "$LOGS/up-$MODE.log" 2>&1 &
   UPPID=$!
-  if ! wait_up; then echo "stack $MODE did not come up"; tail -30 "$LOGS/up-$MODE.log"; stop; continue; fi
+  if ! wait_up; then echo "stack $MODE did not come up"; tail -30 "$LOGS/up-$MODE.log"; stop_stack; continue; fi
   .venv/bin/python benchmarks/checksum_cost.py --checksums "$MODE" --transfer "${TRANSFER:-pull}" \
     --input-len "$INPUT_LEN" --n "$N" --vocab-size 1024 --model tiny-qwen3 --hardware cpu --out "$OUTF" 2>&1 | tail -3
-  stop
+  stop_stack
 done

@@ -76,9 +76,7 @@ def reset(external: bool) -> None:
         r = httpx.post(URL + "/reset_prefix_cache",
                        params={"reset_external": "true"} if external else None, timeout=30)
         r.raise_for_status()
-        ok = r.json().get("success", True) if r.headers.get("content-type", "").startswith(
-            "application/json") else True
-        if ok:
+        if r.json()["success"]:
             return
         time.sleep(0.1)
     raise RuntimeError("prefix cache still busy")

@@ -38,7 +38,9 @@ async def _upstream() -> AsyncIterator[bytes]:
         yield chunk
 
 
-def _app() -> tuple[Starlette, CountingMiddleware]:
+def _app() -> tuple[CountingMiddleware, list[int]]:
+    """A Starlette app streaming CHUNKS through `UpstreamStream`, under a counting
+    middleware; the list collects the stream's first-chunk calls."""
     first_chunks: list[int] = []
 
     async def stream(_request: Request) -> UpstreamStream:
@@ -49,13 +51,12 @@ def _app() -> tuple[Starlette, CountingMiddleware]:
                               events=StreamEvents(first_chunk=lambda: first_chunks.append(1)))
 
     app = Starlette(routes=[Route("/s", stream, methods=["POST"])])
-    counter = CountingMiddleware(app.build_middleware_stack())
-    return app, counter
+    return CountingMiddleware(app.build_middleware_stack()), first_chunks
 
 
 @pytest.mark.parametrize("raw", [True, False], ids=["raw-send", "wrapped"])
 def test_body_chunks_skip_the_wrappers_and_all_bytes_arrive(raw: bool) -> None:
-    _, counter = _app()
+    counter, first_chunks = _app()
     outer: ASGIApp = RawSend(counter) if raw else counter
 
     async def post() -> httpx.Response:
@@ -70,3 +71,4 @@ def test_body_chunks_skip_the_wrappers_and_all_bytes_arrive(raw: bool) -> None:
     assert counter.seen.get("http.response.start") == 1
     # Without RawSend every chunk and the end pass the wrapper; with it none does.
     assert counter.seen.get("http.response.body", 0) == (0 if raw else len(CHUNKS) + 1)
+    assert first_chunks == [1]  # the stream's own events still fire once

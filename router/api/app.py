@@ -138,6 +138,8 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
             await holder["ctx"].streams.close()
 
     app = FastAPI(title="kvferry router", lifespan=lifespan)
+    # Middlewares see a stream's start message, not its body chunks: those go straight to
+    # the server's send (`RawSend`, wire/sse.py). Nothing here may rely on seeing them.
     app.add_middleware(AdmissionMiddleware, admission=Admission(  # type: ignore[arg-type]
         settings.max_active, settings.max_queued, settings.queue_timeout_s),
         on_refused=lambda path, kind: metrics.errors.labels(
