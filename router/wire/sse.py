@@ -146,22 +146,25 @@ class UpstreamStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body_send = scope.get(RAW_SEND, send)
-        clean = False
+        ended: list[bool] = []
         try:
             async with anyio.create_task_group() as tg:
 
-                async def watch_disconnect() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    if not self._sent_all:  # the server reports one after every response
-                        log.info("client disconnected; closing %s stream from %s",
-                                 self.leg, self.current.url)
+                async def pump() -> None:
+                    ended.append(await self._pump(send, body_send))
                     tg.cancel_scope.cancel()
 
-                tg.start_soon(watch_disconnect)
-                clean = await self._pump(send, body_send)
+                # The pump is a task of its own: each chunk wakes its short stack, not
+                # this coroutine's (the server's, the app's and its middlewares' frames).
+                tg.start_soon(pump)
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                if not self._sent_all:  # the server reports one after every response
+                    log.info("client disconnected; closing %s stream from %s",
+                             self.leg, self.current.url)
                 tg.cancel_scope.cancel()
         finally:
+            clean = bool(ended and ended[0])
             await _close(self.current)
             if not clean and self._on_abort is not None:
                 self._on_abort()
