@@ -101,9 +101,12 @@ class RouterSettings(BaseModel):
         "wait for P's answer (reuse and timing fields); P's answer is due once D answers, "
         "so this bounds a slow router loop, never a prefill.")
     # -- fleet -------------------------------------------------------------------------
-    state: str = Field("memory", description="Conversation state: `memory` (this process) or "
-                       "a Redis URL (`redis://host:6379/0`) shared by every router replica.")
-    state_timeout_s: float = Field(0.1, gt=0, description="Bound on each Redis call; a slower "
+    state: str = Field("memory", description="Conversation state: `memory` (this process; "
+                       "with --workers > 1 a SQLite file the workers share), a Redis URL "
+                       "(`redis://host:6379/0`) shared by every router replica, or "
+                       "`sqlite:///path` shared by the router processes of one host.")
+    state_timeout_s: float = Field(0.1, gt=0, description="Bound on each Redis call (or wait for "
+                                   "the SQLite file's lock); a slower "
                                    "or failed call means no reuse for that turn.")
     state_retry_s: float = Field(1.0, ge=0, description="After a failed Redis call, how long "
                                  "turns skip Redis before it is tried again.")
@@ -189,8 +192,12 @@ class RouterSettings(BaseModel):
     @field_validator("state")
     @classmethod
     def _check_state(cls, v: str) -> str:
+        if v.startswith("sqlite://"):
+            if not v.removeprefix("sqlite://").startswith("/"):
+                raise ValueError(f"a SQLite state is sqlite:///absolute/path, got {v!r}")
+            return v
         if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"state must be memory or a redis:// URL, got {v!r}")
+            raise ValueError(f"state must be memory, a redis:// URL or sqlite:///path, got {v!r}")
         return v
 
     @model_validator(mode="after")

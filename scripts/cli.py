@@ -85,8 +85,8 @@ def router(
     decode_timeout: float = 300.0,
     state: Annotated[str, typer.Option(
         envvar=STATE_ENV,  # a URL with a password stays out of the process list
-        help="Conversation state: memory, or a Redis URL (redis://host:6379/0) shared by "
-        "router replicas.")] = "memory",
+        help="Conversation state: memory, a Redis URL (redis://host:6379/0) shared by "
+        "router replicas, or sqlite:///path shared by one host's router processes.")] = "memory",
     state_timeout: Annotated[float, typer.Option(
         help="Bound (s) on each Redis call; slower means that turn gets no reuse.")] = 0.1,
     engines_file: Annotated[Path | None, typer.Option(
@@ -110,7 +110,8 @@ def router(
         help="On SIGTERM, seconds in-flight requests get to finish.")] = 30.0,
     workers: Annotated[int, typer.Option(
         envvar="KVFERRY_ROUTER_WORKERS", help="Router processes on the port (SO_REUSEPORT), "
-        "one core each; more than one needs --state redis://.")] = 1,
+        "one core each; they share conversations through --state, or, with memory, a SQLite "
+        "file on tmpfs.")] = 1,
     max_active: Annotated[int, typer.Option(
         envvar="KVFERRY_MAX_ACTIVE", help="Completions served at once (streams count until "
         "their end); more wait for admission.")] = 512,
@@ -259,6 +260,9 @@ def up(
         help="off | sample | all: compare the checksums of transferred KV blocks (READs, push "
         "WRITEs) with the "
         "source's (sample: 5% of requests, the connector's default).")] = None,
+    router_workers: Annotated[int, typer.Option(
+        min=1, help="Router processes (one core each); they share conversations without "
+        "Redis.")] = 1,
 ) -> None:
     """Start 1 prefill + 1 decode vLLM engine and the router; Ctrl-C stops all."""
     raise typer.Exit(up_stack(
@@ -268,7 +272,8 @@ def up(
         engine_arg=engine_arg or [], ucx_tls=ucx_tls, nixl_backends=nixl_backend,
         devices_per_engine=devices_per_engine, decode_devices=decode_devices,
         startup_timeout=startup_timeout, run_demo_after=demo, demo_max_tokens=demo_max_tokens,
-        dry_run=dry_run, state=state, share_device_gib=share_device, kv_checksums=kv_checksums))
+        dry_run=dry_run, state=state, share_device_gib=share_device, kv_checksums=kv_checksums,
+        router_workers=router_workers))
 
 
 # `run` repeats most of `up`'s parameters on purpose: typer reads a command's options from

@@ -161,6 +161,7 @@ def up_stack(
     nixl_backends: list[str] | None = None,
     share_device_gib: float | None = None,
     kv_checksums: str | None = None,
+    router_workers: int = 1,
 ) -> int:
     """`up` and `run`: start (or with ``dry_run`` print) the stack; the exit code."""
     choice(hardware_backend, BACKENDS, "--hardware-backend")
@@ -208,6 +209,8 @@ def up_stack(
     elif mode == "push":  # vLLM's NixlPushConnector: D names P's engine before P answers
         router_argv += ["--prefill-kv", f"{p_spec.side_host}:{p_spec.side_port}",
                         "--prefill-engine-id", vllm_engine_id(p_spec)]
+    if router_workers > 1:  # they share conversations (Redis, or a SQLite file on tmpfs)
+        router_argv += ["--workers", str(router_workers)]
     router_env = {SECRET_ENV: secret}
     if state != "memory":  # as env: a Redis URL may carry a password (`router --state`)
         router_env[STATE_ENV] = state

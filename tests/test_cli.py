@@ -193,6 +193,29 @@ def test_up_gives_the_router_its_state_url_as_env(tmp_path: Path,
     assert plain.exit_code == 0 and "KVFERRY_STATE_URL" not in plain.output
 
 
+def test_up_router_workers_line_is_parsed_by_the_router(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvferry up --router-workers 3`: the router line `up` prints is accepted by `kvferry
+    router` as 3 workers with no --state (they share a SQLite file, router/api/workers.py)."""
+    from kvferry.router.api import workers as router_workers
+
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(cli.app, ["up", "--dry-run", "--router-workers", "3"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    line = lines[lines.index(next(x for x in lines if x.startswith("# router"))) + 1]
+    argv = shlex.split(line)
+    args = argv[argv.index("router") + 1:]
+    assert args[args.index("--workers") + 1] == "3" and "--state" not in args
+    seen: list[tuple[RouterSettings, int]] = []
+    monkeypatch.setattr(router_workers, "serve_workers",
+                        lambda settings, host, port, level, n: seen.append((settings, n)) or 0)
+    assert runner.invoke(cli.app, ["router", *args]).exit_code == 0
+    assert seen[0][1] == 3 and seen[0][0].state == "memory"
+    plain = runner.invoke(cli.app, ["up", "--dry-run"])
+    assert plain.exit_code == 0 and "--workers" not in plain.output
+
+
 def test_help_and_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     r = runner.invoke(cli.app, ["--help"])

@@ -1,6 +1,7 @@
 """Several router worker processes on one port (router/api/workers.py): real `kvferry router
---workers 2 --state redis://` processes, FAKE engines (tests/helpers_http.py) and a real
-Redis. Both workers serve, and SIGTERM drains them and exits 0."""
+--workers 2` processes, sharing conversations through a real Redis or (without --state)
+the SQLite file the parent makes, FAKE engines (tests/helpers_http.py). Both workers
+serve, SIGTERM drains them and exits 0, and the shared file is gone after."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import httpx
 import psutil
-from fleet_stack import RedisServer, RouterProcess, wait_for
+import pytest
+from fleet_stack import RouterProcess, wait_for
 from helpers_http import free_port, healthy
 from helpers_router_fleet import fresh_redis, redis_server  # noqa: F401
 
@@ -22,17 +24,19 @@ from kvferry.router.settings import RouterSettings
 HERE = Path(__file__).resolve().parent
 
 
-def test_more_than_one_worker_needs_shared_state() -> None:
+def test_workers_count_is_checked() -> None:
     memory = RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"])
-    assert "redis" in (workers.check(memory, 2) or "")
-    assert workers.check(memory, 1) is None
-    shared = RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"],
-                            state="redis://127.0.0.1:1/0")
-    assert workers.check(shared, 4) is None
+    assert "at least 1" in (workers.check(memory, 0) or "")
+    assert workers.check(memory, 1) is None and workers.check(memory, 4) is None
 
 
-def test_two_workers_share_the_port_and_drain(fresh_redis: RedisServer,  # noqa: F811
+@pytest.mark.parametrize("shared", ["redis", "sqlite"])
+def test_two_workers_share_the_port_and_drain(shared: str, request: pytest.FixtureRequest,
                                               tmp_path: Path) -> None:
+    state = []
+    if shared == "redis":
+        state = ["--state", request.getfixturevalue("fresh_redis").url]
+    shm_before = set(workers.SHM.glob("kvferry-router-*"))
     engines = []
     procs = []
     try:
@@ -46,12 +50,14 @@ def test_two_workers_share_the_port_and_drain(fresh_redis: RedisServer,  # noqa:
             # and with probes off (--health-interval 0) the router would send to a closed port.
             wait_for(lambda u=engines[-1]: healthy(u), 60, f"fake {name} up")
         router = RouterProcess(["--prefill", engines[0], "--decode", engines[1],
-                                "--health-interval", "0", "--workers", "2",
-                                "--state", fresh_redis.url], "test", tmp_path / "router.log")
+                                "--health-interval", "0", "--workers", "2", *state],
+                               "test", tmp_path / "router.log")
         router.start()
         assert router.proc is not None
         kids = psutil.Process(router.proc.pid).children()
         assert len(kids) == 2
+        made = set(workers.SHM.glob("kvferry-router-*")) - shm_before
+        assert len(made) == (1 if shared == "sqlite" else 0)
         cpu0 = [k.cpu_times().user + k.cpu_times().system for k in kids]
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}
         for _ in range(60):  # a fresh connection each: the kernel spreads them
@@ -65,6 +71,7 @@ def test_two_workers_share_the_port_and_drain(fresh_redis: RedisServer,  # noqa:
         assert router.proc.wait(timeout=30) == 0
         time.sleep(0.2)
         assert not any(k.is_running() and k.status() != psutil.STATUS_ZOMBIE for k in kids)
+        assert not any(m.exists() for m in made)  # the shared file went with the workers
     finally:
         for p in procs:
             p.kill()

@@ -2,10 +2,11 @@
 
 Each worker is a whole router (its own event loop, engine connections, admission bound)
 listening on the same port with SO_REUSEPORT, so the kernel spreads connections over
-them. They share the conversation registry through the Redis state backend
-(`--state redis://`): with the in-memory default each would keep conversations of its
-own, so more than one worker needs Redis (`kvferry up` runs one worker, no extra service).
-Prometheus metrics are per worker (a scrape reaches one of them).
+them. They share the conversation registry: through Redis when `--state redis://` names
+one (replicas on other hosts share it too), else through a SQLite file the parent makes
+on tmpfs before forking them (router/conversations/sqlite_state.py) and removes once they
+exited, so `--workers N` needs no extra service. Prometheus metrics are per worker (a
+scrape reaches one of them).
 
 The parent forks the workers before any event loop or thread exists, passes SIGTERM and
 SIGINT on to them as SIGTERM (each worker drains), and exits 0 once all did.
@@ -14,22 +15,42 @@ SIGINT on to them as SIGTERM (each worker drains), and exits 0 once all did.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
+from pathlib import Path
 from types import FrameType
 
+from ..conversations.sqlite_state import URL_PREFIX, connect
 from ..settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+SHM = Path("/dev/shm")
+"""tmpfs on Linux: the workers' state file never touches a disk."""
 
 
 def check(settings: RouterSettings, workers: int) -> str | None:
     """Why `workers` cannot serve these settings, or None."""
     if workers < 1:
         return "--workers must be at least 1"
-    if workers > 1 and settings.state == "memory":
-        return ("--workers > 1 needs --state redis://...: each worker process would keep "
-                "conversations of its own")
     return None
+
+
+def shared_state(settings: RouterSettings) -> tuple[RouterSettings, Path | None]:
+    """The settings the workers run with: `memory` becomes a SQLite file they share (made
+    here, once, before they open it), returned with its directory for removal at exit."""
+    if settings.state != "memory":
+        return settings, None
+    folder = Path(tempfile.mkdtemp(prefix="kvferry-router-",
+                                   dir=SHM if SHM.is_dir() else None))
+    path = folder / "conversations.db"
+    connect(str(path), settings.state_timeout_s).close()
+    log.info("%s", f"router workers share conversation state in {path}")
+    return settings.model_copy(update={"state": URL_PREFIX + str(path)}), folder
 
 
 def listener(host: str, port: int) -> socket.socket:
@@ -52,6 +73,17 @@ def serve_workers(settings: RouterSettings, host: str, port: int, log_level: str
     if workers == 1:
         serve(settings, host=host, port=port, log_level=log_level)
         return 0
+    settings, folder = shared_state(settings)
+    try:
+        return _fork(settings, host, port, log_level, workers)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fork(settings: RouterSettings, host: str, port: int, log_level: str, workers: int) -> int:
+    from .app import serve
+
     pids = []
     for _ in range(workers):
         pid = os.fork()
@@ -61,6 +93,7 @@ def serve_workers(settings: RouterSettings, host: str, port: int, log_level: str
                 serve(settings, host=host, port=port, log_level=log_level,
                       sock=listener(host, port))
             except BaseException:  # noqa: BLE001 - a worker's failure is its exit status
+                log.exception("router worker %d failed", os.getpid())
                 code = 1
             os._exit(code)
         pids.append(pid)

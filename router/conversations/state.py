@@ -1,6 +1,7 @@
-"""Where the router keeps conversation entries: this process's memory, or Redis.
+"""Where the router keeps conversation entries: this process's memory, or Redis (or the
+SQLite file its worker processes share, sqlite_state.py).
 
-One interface, two implementations. `MemoryState` is the LRU `ConversationRegistry` of one
+One interface, three implementations. `MemoryState` is the LRU `ConversationRegistry` of one
 router process. `RedisState` lets every router replica serve any turn with reuse: an
 entry is written only after a successful turn, under a key per (tenant, conversation id),
 with a Redis TTL at D's lease expiry, and replaced atomically (``SET ... GET``) so the
@@ -12,24 +13,25 @@ Redis is an optimisation, never a dependency of a request: every call is bounded
 left alone for `backoff_s` so a dead Redis costs requests nothing; it is then tried again
 and sharing resumes by itself (connections kept from before a restart are replaced on the
 first call that meets one). Failures are counted (``kvferry_router_state_errors``) and
-logged at most every `LOG_EVERY_S`.
+logged at most every `store_log.LOG_EVERY_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, Protocol
 
 from ..metrics import RouterMetrics
+from .entry_codec import decode_entry, encode_entry
 from .registry import ConversationEntry, ConversationRegistry
+from .sqlite_state import SqliteState, path_of
+from .store_log import ThrottledLog
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvferry:conv:"
-LOG_EVERY_S = 10.0
 
 
 class ConversationState(Protocol):
@@ -79,31 +81,6 @@ class MemoryState:
         return None
 
 
-def encode_entry(entry: ConversationEntry) -> bytes:
-    return json.dumps({
-        "decode_url": entry.decode_url, "engine_id": entry.engine_id, "lease_id": entry.lease_id,
-        "expiry": entry.expiry, "num_tokens": entry.num_tokens,
-        "kv_transfer_params": dict(entry.kv_transfer_params),
-        "prefix_hashes": list(entry.prefix_hashes), "history": dict(entry.history),
-    }, separators=(",", ":")).encode()
-
-
-def decode_entry(raw: bytes | str | None) -> ConversationEntry | None:
-    """The entry in `raw`, or None for anything unreadable (another version's, corrupt)."""
-    if raw is None:
-        return None
-    try:
-        d = json.loads(raw)
-        return ConversationEntry(
-            decode_url=str(d["decode_url"]), engine_id=str(d["engine_id"]),
-            lease_id=str(d["lease_id"]), expiry=float(d["expiry"]),
-            num_tokens=int(d["num_tokens"]), kv_transfer_params=dict(d["kv_transfer_params"]),
-            prefix_hashes=tuple(d.get("prefix_hashes") or ()),
-            history=dict(d.get("history") or {}))
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 class RedisState:
     """Entries in Redis, shared by every router replica pointing at the same database."""
 
@@ -130,8 +107,7 @@ class RedisState:
         self.redis = client or Redis(connection_pool=pool)
         self._connection_error = RedisConnectionError
         self._down_until = 0.0
-        self._last_log = 0.0
-        self._suppressed = 0
+        self._log = ThrottledLog(log)
         self.available = True
 
     @staticmethod
@@ -159,7 +135,7 @@ class RedisState:
             self._set_available(False)
             kind = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
             self.metrics.state_errors.labels(op=op, kind=kind).inc()
-            self._log(f"redis {op} failed ({kind}: {exc}); serving without shared "
+            self._log.warning(f"redis {op} failed ({kind}: {exc}); serving without shared "
                       "conversation state")
             return False, None
         self._set_available(True)
@@ -171,15 +147,6 @@ class RedisState:
             self.metrics.state_up.set(1 if up else 0)
             if up:
                 log.info("redis %s is back: sharing conversation state again", self.url)
-
-    def _log(self, msg: str) -> None:
-        now = time.monotonic()
-        if now - self._last_log < LOG_EVERY_S:
-            self._suppressed += 1
-            return
-        more = f" ({self._suppressed} more since last report)" if self._suppressed else ""
-        log.warning("%s%s", msg, more)
-        self._last_log, self._suppressed = now, 0
 
     async def get(self, tenant: str, conversation_id: str, now: float) -> ConversationEntry | None:
         _, raw = await self._call("get", lambda: self.redis.get(self.key(tenant, conversation_id)))
@@ -219,7 +186,11 @@ class RedisState:
 
 def open_state(url: str, registry: ConversationRegistry, metrics: RouterMetrics,
                timeout_s: float = 0.1, backoff_s: float = 1.0) -> ConversationState:
-    """`memory` -> MemoryState over `registry`; `redis://` / `rediss://` / `unix://` -> RedisState."""
+    """`memory` -> MemoryState over `registry`; `sqlite:///path` -> SqliteState (the
+    worker processes of one host); `redis://` / `rediss://` / `unix://` -> RedisState."""
     if url == "memory":
         return MemoryState(registry)
+    if url.startswith("sqlite://"):
+        return SqliteState(path_of(url), metrics, timeout_s=timeout_s,
+                           max_entries=registry.max_entries)
     return RedisState(url, metrics, timeout_s=timeout_s, backoff_s=backoff_s)
