@@ -165,7 +165,13 @@ class EventRewriter:
     def feed(self, chunk: bytes) -> bytes:
         if (not self._held and self.error is None and chunk.endswith(b"\n\n")
                 and chunk.find(b"\n\n") == len(chunk) - 2 and b"\r" not in chunk):
-            return self._event(chunk[:-2], b"\n\n")  # one whole event: vLLM's chunks
+            # One whole event, as vLLM sends them: a plain token is handled with its
+            # blank line (no slicing it off and adding it back).
+            if self._fast and self.offset is None and not self._spliced and self.p.id is not None:
+                fast = self._plain_token(chunk)
+                if fast is not None:
+                    return fast
+            return self._event(chunk[:-2], b"\n\n")
         data = self._held + chunk
         end = last_event_end(data)
         self._held = data[end:]
