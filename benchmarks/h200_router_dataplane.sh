@@ -5,6 +5,7 @@
 # STACK (nixl: vLLM NixlConnector engines, all three impls; kvpull / kvpush: kvferry's
 # connector) `kvferry up --share-device 30` on a qwen3-0.6b shape, then the bench.
 # (overload: kvferry's router alone at 4x its admission capacity of 64 + 64, then at half.)
+# WORKERS=N: `kvferry up --router-workers N` (default 1; the rows say `router_workers`).
 # usage: KVFERRY_COMMIT=<commit> DUR=30 bash benchmarks/h200_router_dataplane.sh STACK...
 set -uo pipefail
 source benchmarks/lib.sh
@@ -29,7 +30,8 @@ for S in "$@"; do
     overload) UPARGS="--connector kvferry --mode pull"; IMPLS=kvferry ;;
   esac
   t0=$(date +%s)
-  python3 -m kvferry.scripts.cli up --hardware-backend cuda --share-device 30 --model $M $UPARGS > $OUT/up-$S.log 2>&1 &
+  python3 -m kvferry.scripts.cli up --hardware-backend cuda --share-device 30 --model $M $UPARGS \
+    --router-workers ${WORKERS:-1} > $OUT/up-$S.log 2>&1 &
   UPPID=$!
   if ! wait_up; then echo "stack $S did not come up"; tail -30 $OUT/up-$S.log; stop_stack; continue; fi
   echo "stack $S up in $(( $(date +%s) - t0 )) s"

@@ -90,13 +90,22 @@ def cpu_s(pid: int) -> float:
     return total
 
 
-def listener_pid(url: str) -> int | None:
-    """The pid listening on `url`'s port on this host (a router we did not start)."""
+def listener_pids(url: str) -> list[int]:
+    """The pids listening on `url`'s port on this host (a router we did not start; its
+    SO_REUSEPORT workers each listen)."""
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    for c in psutil.net_connections("tcp"):
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-            return c.pid
-    return None
+    return sorted({c.pid for c in psutil.net_connections("tcp")
+                   if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   and c.pid})
+
+
+def router_root(pids: list[int]) -> int | None:
+    """The process whose tree holds all of `pids`: the one listener, or the parent that
+    forked the workers (`cpu_s` counts it and its children)."""
+    if len(pids) <= 1:
+        return pids[0] if pids else None
+    parents = {psutil.Process(p).ppid() for p in pids}
+    return parents.pop() if len(parents) == 1 else None
 
 
 @dataclass
@@ -190,6 +199,8 @@ class Target:
     impl: str
     url: str
     pid: int | None
+    workers: int = 1
+    """Router processes serving the port."""
 
 
 class Bench:
@@ -231,7 +242,8 @@ class Bench:
     def kvferry(self, p: str, d: str) -> Target:
         a = self.args
         if a.kvferry:
-            return Target("kvferry", a.kvferry, listener_pid(a.kvferry))
+            pids = listener_pids(a.kvferry)
+            return Target("kvferry", a.kvferry, router_root(pids), len(pids))
         port = free_port()
         kv = shutil.which("kvferry", path=str(Path(sys.executable).parent)) or "kvferry"
         cmd = [kv, "router", "--prefill", p, "--decode", d, "--port", str(port),
@@ -239,7 +251,7 @@ class Bench:
         proc = self.popen(cmd, self.router_cpus, "kvferry-router.log")
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 60, proc)
-        return Target("kvferry", url, proc.pid)
+        return Target("kvferry", url, proc.pid, len(listener_pids(url)))
 
     def vllm_router(self, p: str, d: str) -> Target:
         port = free_port()
@@ -301,6 +313,7 @@ def line(args: argparse.Namespace, t: Target, conc: int, ph: Phase, wall: float,
                                         if cpu is not None and ph.chunks else None),
         "router_cpu_cores": round(cpu / wall, 3) if cpu is not None and wall else None,
         "router_pinned_cpus": args.router_cpu if not args.no_pin else None,
+        "router_workers": t.workers if t.impl != "direct" else None,
         "statuses": {str(k): v for k, v in sorted(ph.statuses.items(), key=str)},
         "refused_429_503": ph.statuses[429] + ph.statuses[503],
         "failed_502_504": ph.statuses[502] + ph.statuses[504],
