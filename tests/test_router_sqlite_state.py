@@ -6,6 +6,7 @@ a real D-side LeaseKeeper: tests/helpers_router_fleet.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import sqlite3
 import time
@@ -14,11 +15,12 @@ from pathlib import Path
 import helpers_router_fleet
 import pytest
 from fleet_stack import wait_for
-from helpers_fleet import metric_sum, reuse_of
+from helpers_fleet import P_PARAMS, LeasingD, metric_sum, reuse_of
+from helpers_http import FakeEngine, serve
 from helpers_router_fleet import router, turn
 
 from kvferry.router.api import workers
-from kvferry.router.conversations import sqlite_state
+from kvferry.router.conversations import lease_control, sqlite_state
 from kvferry.router.conversations.registry import ConversationEntry
 from kvferry.router.conversations.sqlite_state import SqliteState
 from kvferry.router.metrics import RouterMetrics
@@ -188,3 +190,48 @@ def test_two_routers_share_a_conversation_through_one_file(pd, stack, tmp_path: 
     assert lease2 != lease1 and reuse_of(p)["lease_id"] != lease1
     assert metric_sum(app_a, "kvferry_router_state_errors_total") == 0
     assert metric_sum(app_b, "kvferry_router_state_errors_total") == 0
+
+
+class StreamingD(LeasingD):
+    """A D that grants the turn's lease but, like vLLM before 0.33, does not stream its
+    kv_transfer_params: the router fetches the offer over the lease-control channel."""
+
+    def _answer(self, body: dict, chat: bool) -> tuple[str, list[bytes]]:
+        text, _ = super()._answer(body, chat)
+        event = {"id": "d-1", "object": "text_completion", "model": "tiny",
+                 "choices": [{"index": 0, "text": "answer", "finish_reason": "stop"}]}
+        return text, [f"data: {json.dumps(event)}\n\n".encode(), b"data: [DONE]\n\n"]
+
+
+def test_streamed_turns_alternating_routers_each_find_the_last(
+        stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streamed turns of one conversation, each sent the moment the previous [DONE]
+    arrived, to the other router (as SO_REUSEPORT may spread them over workers): each is
+    offered the turn before's lease, because a router sends [DONE] only once the turn is
+    stored. D's control channel answers 100 ms late, which the commit waits for. Before
+    the fix, [DONE] went out first: the next turn read the entry before, whose lease its
+    commit then released (in a real stack: `read_failed`, recompute)."""
+    p, d = FakeEngine("p0", kv_params=dict(P_PARAMS)), StreamingD()
+    stack.callback(d.server.close)
+    purl, durl = (stack.enter_context(serve(e.app())) for e in (p, d.engine))
+
+    async def late() -> bool:
+        await asyncio.sleep(0.1)
+        return False  # the call goes through
+
+    monkeypatch.setattr(lease_control, "fault_hook", late)
+    kw = {"prefill_urls": [purl], "decode_urls": [durl],
+          "state": f"sqlite://{tmp_path / 'conv.db'}", "d_local_max_new_tokens": 0,
+          "decode_control_addrs": [f"127.0.0.1:{d.control_port}"]}
+    (a, _), (b, _) = router(stack, **kw), router(stack, **kw)
+    db = sqlite3.connect(tmp_path / "conv.db")
+    before = None
+    for url in (a, b, a, b):
+        r = turn(url, stream=True)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        rows = db.execute("SELECT json_extract(entry, '$.lease_id') FROM conversations").fetchall()
+        assert len(rows) == 1, "the turn was not stored before the client had [DONE]"
+        offer = reuse_of(p)
+        assert (offer or {}).get("lease_id") == before
+        assert rows[0][0] != before
+        before = rows[0][0]

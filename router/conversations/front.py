@@ -72,6 +72,12 @@ class Conversations:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
+    def shared(self) -> bool:
+        """Entries live outside this process (Redis, the workers' SQLite file): another
+        router process may take a conversation's next turn."""
+        return not self._memory
+
+    @property
     def pending_commits(self) -> int:
         """Streamed turns whose offer this replica is still fetching from D (commit_later):
         0 once every one has been recorded or dropped."""

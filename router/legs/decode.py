@@ -182,7 +182,10 @@ def _stream(
         headers=resp_headers,
         events=StreamEvents(first_chunk, on_error, abort=obs.ended(False),
                             success=obs.ended(True), before_done=obs.settle(),
-                            rewrite=obs.chunk_filter()),
+                            rewrite=obs.chunk_filter(),
+                            # in memory, a next turn waits for the commit itself (`begin`)
+                            recorded=obs.recorded() if ctx.conversations is not None
+                            and ctx.conversations.shared else None),
         resume=mig.resume if mig is not None else None,
         head=head,
     )

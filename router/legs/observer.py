@@ -38,6 +38,10 @@ class DecodeObserver:
     async def settle(self) -> None:
         """Awaited before a 200 JSON answer or a stream's `[DONE]` goes out."""
 
+    async def recorded(self) -> None:
+        """Awaited once a stream's `[DONE]` has passed every filter, before it goes out:
+        what the turn records is then visible to the client's next turn."""
+
     def json_headers(self) -> dict[str, str]:
         """Extra headers for a 200 JSON answer."""
         return {}
@@ -110,6 +114,15 @@ class Observers:
         async def call() -> None:
             for o in obs:
                 await o.settle()
+        return call
+
+    def recorded(self) -> Callable[[], Awaitable[None]] | None:
+        if not (obs := self._with("recorded")):
+            return None
+
+        async def call() -> None:
+            for o in obs:
+                await o.recorded()
         return call
 
     def json_headers(self) -> dict[str, str]:

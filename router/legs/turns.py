@@ -76,6 +76,12 @@ class TurnCommit(DecodeObserver):
     def stream_params(self, params: dict[str, Any]) -> None:
         self._streamed.update(params)
 
+    async def recorded(self) -> None:
+        # The commit started at D's [DONE] (`_commit_stream`, or the capture once it saw
+        # the whole answer); with shared state (Redis, the workers' SQLite file) another
+        # router process takes the next turn, so the client gets [DONE] once it is stored.
+        await self.conv.settled(self.turn)
+
     def stream_done(self) -> None:
         if self.capture is None:  # else the capture commits, once it saw the whole answer
             self._commit_stream()

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..errors import RouterError, error_body, from_transport
-from .sse_filters import DONE, ChunkFilter
+from .sse_filters import DONE, DONE_EVENT, ChunkFilter
 from .stream_client import LegResponse
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,9 @@ class StreamEvents:
     end cleanly: the client went away, or a leg broke and no other took over; `success`
     when it did end cleanly. `rewrite` rewrites the client's bytes across legs;
     `before_done` is awaited once, before the upstream's `[DONE]` goes on (push: P's
-    report, which the rewrite inserts there, may still be on its way)."""
+    report, which the rewrite inserts there, may still be on its way); `recorded` once the
+    `[DONE]` event has passed every filter, before it is sent (the turn's commit, which
+    the filters start, stored where another router process will look)."""
 
     first_chunk: Callable[[], None]
     error: Callable[[RouterError], None] | None = None
@@ -106,6 +108,7 @@ class StreamEvents:
     success: Callable[[], None] | None = None
     before_done: Callable[[], Awaitable[None]] | None = None
     rewrite: ChunkFilter | None = None
+    recorded: Callable[[], Awaitable[None]] | None = None
 
 
 class UpstreamStream(Response):
@@ -137,6 +140,7 @@ class UpstreamStream(Response):
         self._on_success = events.success
         self._resume = resume
         self._before_done = events.before_done
+        self._recorded = events.recorded
         self._tail = b""  # the last bytes of the previous upstream chunk
         self._sent_all = False
         self._head = head
@@ -225,6 +229,7 @@ class UpstreamStream(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return False
         if self._filter is not None and (tail := self._filter.flush()):
+            await self._await_recorded(tail)
             await send({"type": "http.response.body", "body": tail, "more_body": True})
         self._sent_all = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -275,7 +280,16 @@ class UpstreamStream(Response):
         if chunk and self._filter is not None:
             chunk = self._filter.feed(chunk)
         if chunk:
+            if self._recorded is not None:
+                await self._await_recorded(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def _await_recorded(self, data: bytes) -> None:
+        """Before `data` with the `[DONE]` event goes out: `recorded`, once. Filters pass
+        whole events, so the marker is never split here."""
+        if self._recorded is not None and DONE_EVENT in data:
+            wait, self._recorded = self._recorded, None
+            await wait()
 
 
 async def _close(leg: Leg) -> None:
