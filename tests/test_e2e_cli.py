@@ -20,9 +20,15 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.mark.timeout(960)  # past its own 900 s bound on `kvferry run`, which then reports
-def test_kvferry_run_moves_kv_both_ways(tmp_path):
+@pytest.mark.parametrize("command", [["run"], ["up", "--demo", "--router-workers", "2"]],
+                         ids=["run", "up-2-router-workers"])
+def test_kvferry_run_moves_kv_both_ways(tmp_path, command):
+    """With two router workers (sharing conversations through their SQLite file) the demo
+    must go as with one. Run by hand before 183670f, it showed turn 3 reading turn 2's
+    entry before turn 2 was stored (the stream's [DONE] went out first): read_failed,
+    the history recomputed."""
     ports = [str(free_port()) for _ in range(3)]
-    argv = [sys.executable, "-m", "kvferry.scripts.cli", "run", "--prefill-port", ports[0],
+    argv = [sys.executable, "-m", "kvferry.scripts.cli", *command, "--prefill-port", ports[0],
             "--decode-port", ports[1], "--router-port", ports[2]]
     env = {k: v for k, v in os.environ.items() if k != "KVFERRY_OPERATOR_TOKEN"}
     r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
