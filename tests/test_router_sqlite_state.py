@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import shutil
 import sqlite3
+import tempfile
 import time
 from pathlib import Path
 
@@ -156,12 +158,13 @@ def test_workers_without_redis_get_a_shared_file(tmp_path: Path) -> None:
         assert folder is not None and shared.state.startswith("sqlite:///")
         path = sqlite_state.path_of(shared.state)
         assert Path(path).parent == folder and Path(path).exists()
+        assert folder.parent == workers.state_dir()
+        assert workers.state_dir() == (workers.SHM if shutil.disk_usage(workers.SHM).free
+                                       >= workers.SHM_MIN_FREE else Path(tempfile.gettempdir()))
         redis = settings.model_copy(update={"state": "redis://127.0.0.1:1/0"})
         assert workers.shared_state(redis) == (redis, None)
     finally:
         if folder is not None:
-            import shutil
-
             shutil.rmtree(folder)
     with pytest.raises(ValueError, match="absolute"):
         RouterSettings(prefill_urls=["http://p"], decode_urls=["http://d"],

@@ -31,6 +31,17 @@ log = logging.getLogger(__name__)
 
 SHM = Path("/dev/shm")
 """tmpfs on Linux: the workers' state file never touches a disk."""
+SHM_MIN_FREE = 1 << 30
+"""Below this free in /dev/shm (Docker and Kubernetes give 64 MiB unless told otherwise)
+the file goes to the temporary directory instead: a full store only costs reuse, but a
+large conversation's entry (its offer lists every block) takes tens of KiB."""
+
+
+def state_dir() -> Path:
+    """Where the workers' state file goes."""
+    if SHM.is_dir() and shutil.disk_usage(SHM).free >= SHM_MIN_FREE:
+        return SHM
+    return Path(tempfile.gettempdir())  # TMPDIR or /tmp: the page cache keeps it in memory
 
 
 def check(settings: RouterSettings, workers: int) -> str | None:
@@ -45,8 +56,7 @@ def shared_state(settings: RouterSettings) -> tuple[RouterSettings, Path | None]
     here, once, before they open it), returned with its directory for removal at exit."""
     if settings.state != "memory":
         return settings, None
-    folder = Path(tempfile.mkdtemp(prefix="kvferry-router-",
-                                   dir=SHM if SHM.is_dir() else None))
+    folder = Path(tempfile.mkdtemp(prefix="kvferry-router-", dir=state_dir()))
     path = folder / "conversations.db"
     connect(str(path), settings.state_timeout_s).close()
     log.info("%s", f"router workers share conversation state in {path}")
