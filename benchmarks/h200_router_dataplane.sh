@@ -6,6 +6,7 @@
 # connector) `kvferry up --share-device 30` on a qwen3-0.6b shape, then the bench.
 # (overload: kvferry's router alone at 4x its admission capacity of 64 + 64, then at half.)
 # WORKERS=N: `kvferry up --router-workers N` (default 1; the rows say `router_workers`).
+# ROUNDS=N: each target measured N times, interleaved (default 1; a noisy host drifts).
 # usage: KVFERRY_COMMIT=<commit> DUR=30 bash benchmarks/h200_router_dataplane.sh STACK...
 set -uo pipefail
 source benchmarks/lib.sh
@@ -42,6 +43,7 @@ for S in "$@"; do
   else
     python3 benchmarks/router_dataplane.py --hardware $HW --no-pin --prefill http://127.0.0.1:8100 \
       --decode http://127.0.0.1:8200 --kvferry http://127.0.0.1:8000 --duration $DUR --impls $IMPLS \
+      --rounds ${ROUNDS:-1} \
       --vllm-router /tmp/site/bin/vllm-router --log-dir $OUT --out $OUTF 2>&1 | tail -15
   fi
   python3 - "$OUTF" "$S" <<'PY'

@@ -120,6 +120,16 @@ class Phase:
     errors: list[str] = field(default_factory=list)
     refused_without_retry_after: int = 0
 
+    def add(self, other: Phase) -> None:
+        """Another round of the same target, as if measured in one piece."""
+        self.ttft_ms += other.ttft_ms
+        self.gaps_ms += other.gaps_ms
+        self.chunks += other.chunks
+        self.ok += other.ok
+        self.statuses.update(other.statuses)
+        self.errors += other.errors
+        self.refused_without_retry_after += other.refused_without_retry_after
+
 
 async def one_stream(session: aiohttp.ClientSession, url: str, body: dict, ph: Phase
                      ) -> float:
@@ -324,12 +334,24 @@ def line(args: argparse.Namespace, t: Target, conc: int, ph: Phase, wall: float,
     }
 
 
-async def measure(args: argparse.Namespace, t: Target, conc: int, body: dict,
-                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+async def phase(args: argparse.Namespace, t: Target, conc: int, body: dict
+                ) -> tuple[Phase, float, float | None]:
+    """One measured phase of `t`: (what the clients saw, wall s, router CPU s or None)."""
     await load(t.url, min(conc, 8), 1.0, body)  # warm: connections open, code paths hot
     c0 = cpu_s(t.pid) if t.pid else None
     ph, wall = await load(t.url, conc, args.duration, body)
     cpu = cpu_s(t.pid) - c0 if t.pid and c0 is not None else None
+    return ph, wall, cpu
+
+
+async def measure(args: argparse.Namespace, t: Target, conc: int, body: dict,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    ph, wall, cpu = await phase(args, t, conc, body)
+    return report(args, t, conc, ph, wall, cpu, extra)
+
+
+def report(args: argparse.Namespace, t: Target, conc: int, ph: Phase, wall: float,
+           cpu: float | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     out = line(args, t, conc, ph, wall, cpu, extra or {})
     for why in sorted(set(ph.errors))[:5]:
         print(f"  {t.impl} c={conc}: {why}", file=sys.stderr)
@@ -358,10 +380,24 @@ async def run(args: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
         rec["recovered"] = rec["errors"] == 0 and rec["requests"] > 0
         out.append(rec)
         return out
-    started = {name: targets[name]() for name in args.impls.split(",")}
+    started = [targets[name]() for name in args.impls.split(",")]
     for conc in map(int, args.concurrency.split(",")):
-        for t in started.values():
-            out.append(await measure(args, t, conc, body))
+        # Rounds interleave the targets, each round in another order, so that a machine
+        # drifting during the run (a noisy GPU host) weighs on every target alike.
+        got: dict[str, tuple[Phase, float, float | None]] = {}
+        for r in range(args.rounds):
+            k = r % len(started)
+            for t in started[k:] + started[:k]:
+                ph, wall, cpu = await phase(args, t, conc, body)
+                if t.impl in got:
+                    ph0, wall0, cpu0 = got[t.impl]
+                    ph0.add(ph)
+                    cpu = cpu0 + cpu if cpu0 is not None and cpu is not None else None
+                    ph, wall = ph0, wall0 + wall
+                got[t.impl] = (ph, wall, cpu)
+        for t in started:
+            out.append(report(args, t, conc, *got[t.impl],
+                              {"rounds": args.rounds} if args.rounds > 1 else None))
     return out
 
 
@@ -370,6 +406,9 @@ def main() -> int:
     ap.add_argument("--concurrency", default="64,256")
     ap.add_argument("--impls", default="direct,kvferry,vllm-router")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per target")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure each target this many times, interleaved and each round "
+                    "in another order; a row sums its target's rounds")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--interval-ms", type=float, default=20.0,

@@ -238,3 +238,21 @@ def test_streamed_turns_alternating_routers_each_find_the_last(
         assert (offer or {}).get("lease_id") == before
         assert rows[0][0] != before
         before = rows[0][0]
+
+
+def test_entry_bytes_are_the_json_an_older_router_wrote_and_reads() -> None:
+    """msgspec's encoding of an entry is byte for byte the json module's compact one, so
+    routers of either version share a store; unreadable bytes read as no entry."""
+    from kvferry.router.conversations.entry_codec import decode_entry, encode_entry
+
+    offer = {"engine_id": "d0-engine", "lease_id": "l1", "block_ids": list(range(1500)),
+             "block_hashes": [f"{i:016x}" for i in range(1500)], "expiry": 1.7e9 + 0.123456789,
+             "sig": "f" * 64, "nested": {"a": [1, 2.5, None, True]}}
+    entry = ConversationEntry("http://d0:8200", "d0-engine", "l1", offer["expiry"], 24000, offer,
+                              prefix_hashes=("ab", "cd"), history={"kind": "chat", "n": [3]})
+    raw = encode_entry(entry)
+    assert raw == json.dumps(json.loads(raw), separators=(",", ":")).encode()
+    assert decode_entry(raw) == entry
+    assert decode_entry(raw.decode()) == entry
+    for bad in (b"", b"{", b"[]", b'{"decode_url": 1}', b"\xff", "x"):
+        assert decode_entry(bad) is None, bad
