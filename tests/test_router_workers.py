@@ -36,7 +36,7 @@ def test_two_workers_share_the_port_and_drain(shared: str, request: pytest.Fixtu
     state = []
     if shared == "redis":
         state = ["--state", request.getfixturevalue("fresh_redis").url]
-    shm_before = set(workers.state_dir().glob("kvferry-router-*"))
+    files_before = set(workers.state_dir().glob("kvferry-router-*"))
     engines = []
     procs = []
     try:
@@ -56,7 +56,7 @@ def test_two_workers_share_the_port_and_drain(shared: str, request: pytest.Fixtu
         assert router.proc is not None
         kids = psutil.Process(router.proc.pid).children()
         assert len(kids) == 2
-        made = set(workers.state_dir().glob("kvferry-router-*")) - shm_before
+        made = set(workers.state_dir().glob("kvferry-router-*")) - files_before
         assert len(made) == (1 if shared == "sqlite" else 0)
         cpu0 = [k.cpu_times().user + k.cpu_times().system for k in kids]
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}

@@ -59,7 +59,7 @@ def shared_state(settings: RouterSettings) -> tuple[RouterSettings, Path | None]
     folder = Path(tempfile.mkdtemp(prefix="kvferry-router-", dir=state_dir()))
     path = folder / "conversations.db"
     connect(str(path), settings.state_timeout_s).close()
-    log.info("%s", f"router workers share conversation state in {path}")
+    log.info("router workers share conversation state in %s", path)
     return settings.model_copy(update={"state": URL_PREFIX + str(path)}), folder
 
 

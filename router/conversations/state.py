@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from ..metrics import RouterMetrics
 from .entry_codec import decode_entry, encode_entry
 from .registry import ConversationEntry, ConversationRegistry
-from .sqlite_state import SqliteState, path_of
+from .sqlite_state import URL_PREFIX, SqliteState, path_of
 from .store_log import ThrottledLog
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def open_state(url: str, registry: ConversationRegistry, metrics: RouterMetrics,
     worker processes of one host); `redis://` / `rediss://` / `unix://` -> RedisState."""
     if url == "memory":
         return MemoryState(registry)
-    if url.startswith("sqlite://"):
+    if url.startswith(URL_PREFIX):
         return SqliteState(path_of(url), metrics, timeout_s=timeout_s,
                            max_entries=registry.max_entries)
     return RedisState(url, metrics, timeout_s=timeout_s, backoff_s=backoff_s)

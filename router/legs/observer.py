@@ -107,23 +107,21 @@ class Observers:
                 o.moved(d)
         return call
 
-    def settle(self) -> Callable[[], Awaitable[None]] | None:
-        if not (obs := self._with("settle")):
+    def _awaited(self, name: str) -> Callable[[], Awaitable[None]] | None:
+        """The observers' coroutine method `name`, awaited in order (None: none has one)."""
+        if not (obs := self._with(name)):
             return None
 
         async def call() -> None:
             for o in obs:
-                await o.settle()
+                await getattr(o, name)()
         return call
+
+    def settle(self) -> Callable[[], Awaitable[None]] | None:
+        return self._awaited("settle")
 
     def recorded(self) -> Callable[[], Awaitable[None]] | None:
-        if not (obs := self._with("recorded")):
-            return None
-
-        async def call() -> None:
-            for o in obs:
-                await o.recorded()
-        return call
+        return self._awaited("recorded")
 
     def json_headers(self) -> dict[str, str]:
         out: dict[str, str] = {}
