@@ -74,7 +74,7 @@ class FakeModel:
         self.answer_delay_s = 0.0  # prefill: before answering
         self.answer_gate: threading.Event | None = None  # prefill: answer once it is set
         self.token_one_shift = 0  # prefill: answer another token 1 than the model's
-        self.first_delay_s = 0.0  # decode: before the stream's first event
+        self.first_gate: threading.Event | None = None  # decode: first event once it is set
         self.first_event_at: float | None = None  # decode: when it was sent (perf_counter)
         self.burst = 1  # decode: tokens in the first token event (vLLM merges outputs that
         # pile up while its API server is busy)
@@ -179,7 +179,8 @@ class FakeModel:
         cut, err, early = self.break_after, self.error_after, self.stop_early
         self.break_after = self.error_after = None
         self.stop_early = False
-        await asyncio.sleep(self.first_delay_s)
+        if self.first_gate is not None:
+            assert await asyncio.to_thread(self.first_gate.wait, 20), "gate never opened"
         self.first_event_at = time.perf_counter()
         for i, e in enumerate(events):
             if cut is not None and i == cut:
@@ -464,14 +465,16 @@ def test_push_first_token_from_prefill(fleet, chat: bool, burst: int, want_ids: 
     dropped (from an event of several tokens too), so the client sees every token once,
     under one id, as an uninterrupted run."""
     url, p, ds, app = fleet(n_d=1, first_token_chat=True, **PUSH_KV)
-    ds[0].first_delay_s = 0.5  # D's first step comes well after P's answer
+    # D's first step comes only once the client has an event: the router must send P's
+    # token without waiting for D (a fixed delay would race P's answer on a busy machine)
+    ds[0].first_gate = threading.Event()
     ds[0].burst = burst
     msgs = [{"role": "user", "content": "hi"}]
     body = ({"messages": msgs, "max_completion_tokens": 6} if chat else
             {"prompt": PROMPT, "max_tokens": 6})
     events, first_at = timed_stream(url, {**body, "temperature": 0,
                                           **({"return_token_ids": True} if want_ids else {})},
-                                    chat)
+                                    chat, on_first=ds[0].first_gate)
     assert first_at < ds[0].first_event_at  # P's token 1 reached the client first
     events = [e for e in events if e.get("id")]  # not push's report event
     want = greedy(render(msgs) if chat else PROMPT, 6)
@@ -501,8 +504,9 @@ def test_push_first_token_mismatch_continues_from_p_token(fleet) -> None:
     on from prompt + that token, on the same D (it is not broken)."""
     url, p, ds, app = fleet(n_d=1, **PUSH_KV)
     p.token_one_shift = 1
-    ds[0].first_delay_s = 0.3
-    events, _ = timed_stream(url, {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    ds[0].first_gate = threading.Event()  # D steps once the client has P's token
+    events, _ = timed_stream(url, {"prompt": PROMPT, "max_tokens": 6, "temperature": 0},
+                             on_first=ds[0].first_gate)
     t1 = greedy(PROMPT, 1)[0] + 1
     assert tokens_of(events) == [t1, *greedy(PROMPT + [t1], 5)]
     (_, first), (_, cont_p) = p.received
@@ -522,7 +526,6 @@ def test_push_first_token_only_for_greedy_continuable_streams(fleet, extra: dict
     """Sampling, no temperature (the model's default), stop strings, logprobs, or the
     client's `x-kvferry-first-token: decode`: D's stream as it comes."""
     url, p, ds, app = fleet(n_d=1, **PUSH_KV)
-    ds[0].first_delay_s = 0.2
     extra = dict(extra)
     header = extra.pop("header", None)
     events, _ = timed_stream(url, {"prompt": PROMPT, "max_tokens": 4, **extra},
