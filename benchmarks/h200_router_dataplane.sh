@@ -46,6 +46,8 @@ for S in "$@"; do
       --rounds ${ROUNDS:-1} \
       --vllm-router /tmp/site/bin/vllm-router --log-dir $OUT --out $OUTF 2>&1 | tail -15
   fi
+  # how the router's streamed chunks reached the clients (direct path or pump task)
+  python3 -c "import urllib.request as u; print(''.join(l for l in u.urlopen('http://127.0.0.1:8000/metrics').read().decode().splitlines(True) if l.startswith('kvferry_router_stream_chunks_total')))" || true
   python3 - "$OUTF" "$S" <<'PY'
 import json,sys
 rows=[json.loads(l) for l in open(sys.argv[1])]

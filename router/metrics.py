@@ -219,6 +219,17 @@ class RouterMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.stream_chunks = Counter(
+            "kvferry_router_stream_chunks",
+            "Upstream chunks of streamed answers, by how they reached the client: direct "
+            "(written where D's connection received them) or pump (through the stream's "
+            "task and the server's send: a head event pending, [DONE] awaiting the turn, "
+            "a full client socket, or a server without the direct path).",
+            ["path"],
+            registry=self.registry,
+        )
+        self._chunks_direct = self.stream_chunks.labels(path="direct")
+        self._chunks_pump = self.stream_chunks.labels(path="pump")
         self.discovery_changes = Counter(
             "kvferry_router_discovery_changes",
             "Engines added or removed by discovery.",
@@ -235,6 +246,11 @@ class RouterMetrics:
             "1 once the router stopped accepting requests and finishes those in flight.",
             registry=self.registry,
         )
+
+    def count_stream_chunks(self, direct: int, pump: int) -> None:
+        """A stream's chunks, once at its end (`stream_chunks`)."""
+        self._chunks_direct.inc(direct)
+        self._chunks_pump.inc(pump)
 
     def render(self) -> bytes:
         """Text exposition format of every metric in this registry."""

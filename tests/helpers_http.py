@@ -75,9 +75,10 @@ class ServerThread:
     """Runs an ASGI app under uvicorn on 127.0.0.1:<free port> in a daemon thread, as
     `kvferry router` does (wrapped in `RawSend`)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, http: str = "auto") -> None:
         config = uvicorn.Config(
-            RawSend(app), host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+            RawSend(app), host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1,
+            http=http,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -100,9 +101,10 @@ class ServerThread:
 
 
 @contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Context manager form of ServerThread: yields the base URL."""
-    srv = ServerThread(app)
+def serve(app: Any, http: str = "auto") -> Iterator[str]:
+    """Context manager form of ServerThread: yields the base URL. ``http``: uvicorn's
+    HTTP implementation (auto: httptools, as `kvferry router` runs)."""
+    srv = ServerThread(app, http)
     url = srv.start()
     try:
         yield url

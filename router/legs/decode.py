@@ -185,7 +185,8 @@ def _stream(
                             rewrite=obs.chunk_filter(),
                             # in memory, a next turn waits for the commit itself (`begin`)
                             recorded=obs.recorded() if ctx.conversations is not None
-                            and ctx.conversations.shared else None),
+                            and ctx.conversations.shared else None,
+                            chunks=ctx.metrics.count_stream_chunks),
         resume=mig.resume if mig is not None else None,
         head=head,
     )

@@ -20,8 +20,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..errors import RouterError, error_body, from_transport
+from .direct_body import DirectBody, direct_body
 from .sse_filters import DONE, DONE_EVENT, ChunkFilter
-from .stream_client import LegResponse
+from .stream_client import Interrupt, LegResponse, StreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ class StreamEvents:
     `before_done` is awaited once, before the upstream's `[DONE]` goes on (push: P's
     report, which the rewrite inserts there, may still be on its way); `recorded` once the
     `[DONE]` event has passed every filter, before it is sent (the turn's commit, which
-    the filters start, stored where another router process will look)."""
+    the filters start, stored where another router process will look). `chunks` is
+    called once at the end with how many upstream chunks went straight to the client's
+    connection and how many through the pump task."""
 
     first_chunk: Callable[[], None]
     error: Callable[[RouterError], None] | None = None
@@ -109,12 +112,20 @@ class StreamEvents:
     before_done: Callable[[], Awaitable[None]] | None = None
     rewrite: ChunkFilter | None = None
     recorded: Callable[[], Awaitable[None]] | None = None
+    chunks: Callable[[int, int], None] | None = None
 
 
 class UpstreamStream(Response):
     """Streams an upstream's body to the client, leg after leg when `resume` continues a
     broken one elsewhere; each leg is closed (its `on_close` called) exactly once. What it
-    tells, and its rewriting: `events` (`StreamEvents`)."""
+    tells, and its rewriting: `events` (`StreamEvents`).
+
+    The token path: under uvicorn's httptools server a chunk is handled where the
+    upstream connection receives it, filtered and written to the client's connection
+    (`_taker`, `direct_body.DirectBody`) without waking the pump task. The pump task
+    reads whatever that path declines, in order: the chunks while a head event may still
+    go first, the one with `[DONE]` when something must be awaited before it, all of them
+    while the client's socket is full (the server's `send` then waits for the client)."""
 
     def __init__(
         self,
@@ -147,6 +158,11 @@ class UpstreamStream(Response):
         self._first_leg = first
         self._relayed = False  # a chunk of a leg went on: the head is too late
         self._send_lock = asyncio.Lock()  # anyio's yields to the loop on every acquire
+        self._direct: DirectBody | None = None
+        self._busy = False  # the pump task holds a chunk it has not sent yet
+        self._counted = events.chunks
+        self._taken = 0  # chunks that went straight to the client
+        self._pumped = 0  # chunks the pump task sent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body_send = scope.get(RAW_SEND, send)
@@ -170,6 +186,8 @@ class UpstreamStream(Response):
         finally:
             clean = bool(ended and ended[0])
             await _close(self.current)
+            if self._counted is not None:
+                self._counted(self._taken, self._pumped)
             if not clean and self._on_abort is not None:
                 self._on_abort()
             if clean and self._on_success is not None:
@@ -184,6 +202,7 @@ class UpstreamStream(Response):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        self._direct = direct_body(body_send)
         if self._head is None:
             return await self._legs(body_send)
         async with anyio.create_task_group() as tg:
@@ -238,34 +257,28 @@ class UpstreamStream(Response):
     async def _relay(self, leg: Leg, send: Send) -> RouterError | None:
         """Pass one leg on; None when it ended complete, else what broke it.
 
-        The token path: per chunk only bytes searches and the filters' own fast paths;
-        the send lock is taken only while a head event may still go first."""
-        flt, cut = leg.filter, leg.cut
+        Per chunk only bytes searches and the filters' own fast paths; the send lock is
+        taken only while a head event may still go first. Chunks `_taker` handled never
+        come here."""
+        flt, cut, resp = leg.filter, leg.cut, leg.response
+        if self._direct is not None and isinstance(resp, StreamResponse):
+            resp.take(self._taker(leg, self._direct))
         try:
-            async for chunk in leg.response.aiter_bytes():
-                if not chunk:
-                    continue
-                if self._on_first_chunk is not None:
-                    first, self._on_first_chunk = self._on_first_chunk, None
-                    first()
-                if self._before_done is not None:
-                    if DONE in self._tail + chunk:
-                        wait, self._before_done = self._before_done, None
-                        await wait()  # what `rewrite` adds before [DONE] may be due
-                    self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
-                if self._head is None or self._relayed:
-                    self._relayed = True
-                    await self._to_client(send, flt.feed(chunk) if flt is not None else chunk)
-                else:
-                    async with self._send_lock:
-                        if leg is self._first_leg:
-                            self._head.lost()  # no-op once it was sent
-                        self._relayed = True
-                        if flt is not None:
-                            chunk = flt.feed(chunk)
-                        await self._to_client(send, chunk)
-                if cut is not None and cut():
-                    break
+            try:
+                async for chunk in resp.aiter_bytes():
+                    if not chunk:
+                        continue
+                    self._busy = True
+                    self._pumped += 1
+                    try:
+                        await self._pump_chunk(leg, send, chunk)
+                    finally:
+                        self._busy = False
+                    if cut is not None and cut():
+                        break
+            except Interrupt as stop:  # the taker's: a cut leg, or what a filter raised
+                if stop.__cause__ is not None:
+                    raise stop.__cause__ from None
             if flt is not None:
                 await self._to_client(send, flt.flush())
         except httpx.HTTPError as exc:
@@ -275,6 +288,65 @@ class UpstreamStream(Response):
             return None
         return RouterError(502, f"{self.leg} upstream {leg.url} {reason}", "upstream_error",
                            self.leg, "stream_broken")
+
+    async def _pump_chunk(self, leg: Leg, send: Send, chunk: bytes) -> None:
+        """One chunk through the leg's filter and the stream's rewrite, to the client."""
+        flt = leg.filter
+        if self._on_first_chunk is not None:
+            first, self._on_first_chunk = self._on_first_chunk, None
+            first()
+        if self._before_done is not None and DONE in self._tail + chunk:
+            wait, self._before_done = self._before_done, None
+            await wait()  # what `rewrite` adds before [DONE] may be due
+        self._tail = chunk[-len(DONE) + 1:]  # a marker split across chunks
+        if self._head is None or self._relayed:
+            self._relayed = True
+            await self._to_client(send, flt.feed(chunk) if flt is not None else chunk)
+            return
+        async with self._send_lock:
+            if leg is self._first_leg:
+                self._head.lost()  # no-op once it was sent
+            self._relayed = True
+            if flt is not None:
+                chunk = flt.feed(chunk)
+            await self._to_client(send, chunk)
+
+    def _taker(self, leg: Leg, write: DirectBody) -> Callable[[bytes], bool]:
+        """`leg`'s chunks handled where its connection receives them: what `_pump_chunk`
+        does, with nothing to await. It declines (False: the pump task gets the chunk)
+        while the pump task holds one, while a head event may still go first, while the
+        client's socket is full, and from the `[DONE]` chunk on when `before_done` or
+        `recorded` must be awaited before it goes."""
+        flt, cut, resp = leg.filter, leg.cut, leg.response
+        assert isinstance(resp, StreamResponse)
+
+        def take(chunk: bytes) -> bool:
+            if (self._busy or (self._head is not None and not self._relayed)
+                    or self.current is not leg or not write.ready()):
+                return False
+            if self._before_done is not None or self._recorded is not None:
+                if DONE in self._tail + chunk:
+                    resp.untake()  # the pump task sends the rest
+                    return False
+                self._tail = chunk[-len(DONE) + 1:]
+            try:
+                if self._on_first_chunk is not None:
+                    first, self._on_first_chunk = self._on_first_chunk, None
+                    first()
+                self._relayed = True
+                data = flt.feed(chunk) if flt is not None else chunk
+                if data and self._filter is not None:
+                    data = self._filter.feed(data)
+                if data:
+                    write(data)
+                self._taken += 1
+                if cut is not None and cut():
+                    resp.stop()
+            except Exception as exc:  # raised in the pump task, as there
+                resp.stop(exc)
+            return True
+
+        return take
 
     async def _to_client(self, send: Send, chunk: bytes) -> None:
         if chunk and self._filter is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -82,6 +82,31 @@ async def _connect_deadline(task: asyncio.Future[Any], connected: asyncio.Event,
         waiter.cancel()
 
 
+class _TakingReader(aiohttp.StreamReader):
+    """aiohttp's body reader that offers each chunk to its taker (`StreamResponse.take`)
+    before buffering it for `readany`. The parser calls `feed_data` for every decoded
+    chunk; a chunk is offered only while nothing is buffered, so the order holds.
+    Installed by class assignment: aiohttp makes its reader itself, and this subclass
+    adds no slot."""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        take = _TAKERS.get(self)
+        if take is not None and data and not self._buffer and take(data):
+            self.total_bytes += len(data)
+            return False
+        return super().feed_data(data, size)
+
+
+_TAKERS: dict[aiohttp.StreamReader, Callable[[bytes], bool]] = {}
+"""Each taking reader's taker, until its answer is read to the end or closed."""
+
+
+class Interrupt(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by `aiter_bytes` once the taker asked to stop reading (`StreamResponse.stop`)."""
+
+
 CONNECT_SLICE_S = 0.05
 LATE_S = 0.02
 """A wait that ends more than this after its slice: the loop was late, not the engine."""
@@ -96,26 +121,51 @@ class StreamResponse:
         self.headers: Mapping[str, str] = resp.headers
         self._done = False
         self._watch = watch
-        self.last = 0.0  # loop time of the last bytes (the watchdog reads it)
         self.limit: float | None = None
+        self.seen = -1  # body bytes when the watchdog last saw them grow
+        self.since = 0.0  # loop time it saw that
         self.timed_out = False
 
+    def take(self, taker: Callable[[bytes], bool]) -> bool:
+        """Offer each chunk to `taker` as it arrives, in the connection's callback: it
+        returns True when it handled the chunk, else the chunk is buffered for
+        `aiter_bytes` (as is every later one until that buffer is read). False: this
+        answer cannot (aiohttp's reader is not the one this was written for)."""
+        content = self._resp.content
+        if type(content) is not aiohttp.StreamReader:
+            return False
+        content.__class__ = _TakingReader
+        _TAKERS[content] = taker
+        return True
+
+    def untake(self) -> None:
+        """Stop offering chunks: from now on `aiter_bytes` returns each one."""
+        _TAKERS.pop(self._resp.content, None)
+
+    def stop(self, why: BaseException | None = None) -> None:
+        """From the taker: stop offering chunks, and make `aiter_bytes` raise `Interrupt`
+        (from `why`) instead of returning more."""
+        content = self._resp.content
+        _TAKERS.pop(content, None)
+        exc = Interrupt()
+        exc.__cause__ = why
+        content.set_exception(exc)
+
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive (chunked framing removed).
+        """The body's bytes as they arrive (chunked framing removed), but those a taker
+        handled (`take`).
 
         The read timeout is the watchdog's (`Watchdog`): aiohttp's own re-arms a loop
-        timer on every chunk, a measurable share of the token path's CPU."""
+        timer on every chunk, a measurable share of the token path's CPU; the watchdog
+        reads the reader's byte count instead."""
         content = self._resp.content
         proto = self._resp.connection.protocol if self._resp.connection else None
         watch = self._watch
         if watch is not None and proto is not None and proto.read_timeout:
             self.limit, proto.read_timeout = proto.read_timeout, None
             watch.add(self)
-        clock = asyncio.get_running_loop().time
         try:
-            self.last = clock()
             while chunk := await content.readany():
-                self.last = clock()
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             if rest := _buffered(content):
@@ -124,9 +174,18 @@ class StreamResponse:
                 raise httpx.ReadTimeout(f"no bytes for {self.limit:g} s") from exc
             raise _as_httpx(exc) from exc
         finally:
+            _TAKERS.pop(content, None)
             if watch is not None:
                 watch.discard(self)
         self._done = True
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since the body last grew, as far as the watchdog's looks tell (its first
+        look starts the count)."""
+        got = self._resp.content.total_bytes
+        if got != self.seen:
+            self.seen, self.since = got, now
+        return now - self.since
 
     def expire(self) -> None:
         """The watchdog's verdict: no bytes for `limit` seconds."""
@@ -144,6 +203,7 @@ class StreamResponse:
     async def aclose(self) -> None:
         """Back to the pool when read to its end, else the connection is dropped (the
         engine then stops generating for it)."""
+        _TAKERS.pop(self._resp.content, None)
         if self._done:
             self._resp.release()
         else:
@@ -152,7 +212,9 @@ class StreamResponse:
 
 class Watchdog:
     """Read timeouts of open streams, checked a few times per timeout instead of a loop
-    timer re-armed on every chunk; a stream idle past its limit is closed (ReadTimeout)."""
+    timer re-armed on every chunk; a stream whose body did not grow for its limit is
+    closed (ReadTimeout). It looks every quarter limit and dates growth by its looks, so a
+    stalled stream ends between 1x and 1.5x its limit after its last bytes."""
 
     def __init__(self) -> None:
         self._streams: set[StreamResponse] = set()
@@ -161,6 +223,7 @@ class Watchdog:
 
     def add(self, s: StreamResponse) -> None:
         self._streams.add(s)
+        s.idle_for(asyncio.get_running_loop().time())  # the count starts now
         assert s.limit is not None
         self._period = min(self._period, max(0.01, s.limit / 4))
         if self._task is None or self._task.done():
@@ -174,7 +237,7 @@ class Watchdog:
         while self._streams:
             await asyncio.sleep(self._period)
             now = loop.time()
-            for s in [s for s in self._streams if s.limit and now - s.last > s.limit]:
+            for s in [s for s in self._streams if s.limit and s.idle_for(now) > s.limit]:
                 self._streams.discard(s)
                 s.expire()
 

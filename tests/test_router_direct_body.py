@@ -1,0 +1,144 @@
+"""The stream's direct path (router/wire/direct_body.py, `sse.UpstreamStream._taker`):
+under uvicorn's httptools server D's chunks go to the client where D's connection
+receives them; what that path declines goes through the pump task, in order. Real HTTP
+on both sides: fake engines under uvicorn, the router under uvicorn, httpx clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from helpers_http import serve
+
+from kvferry.router.api.app import create_app
+from kvferry.router.settings import RouterSettings
+
+
+def engine(events: int, text_len: int, gap_s: float) -> FastAPI:
+    """P answers the prefill leg; D streams `events` token events of `text_len` chars,
+    `gap_s` apart, the last one carrying vLLM 0.33's `kv_transfer_params`, then [DONE]."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        if not body.get("stream"):
+            return JSONResponse({"id": "p", "choices": [{"index": 0, "text": "t",
+                                                         "finish_reason": "length"}],
+                                 "kv_transfer_params": {"remote_engine_id": "p0",
+                                                        "remote_block_ids": [1]}})
+
+        async def gen() -> AsyncIterator[bytes]:
+            for i in range(events):
+                last = i == events - 1
+                ev: dict[str, Any] = {"id": "d", "object": "text_completion", "created": 1,
+                                      "model": "fake", "choices": [{
+                                          "index": 0, "text": f"{i:06d}" + "x" * text_len,
+                                          "logprobs": None,
+                                          "finish_reason": "length" if last else None,
+                                          "stop_reason": None, "token_ids": [100 + i]}]}
+                if last:
+                    ev["kv_transfer_params"] = {"remote_host": "10.0.0.9", "lease": {}}
+                yield f"data: {json.dumps(ev, separators=(',', ':'))}\n\n".encode()
+                await asyncio.sleep(gap_s)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health() -> Any:
+        return {}
+
+    return app
+
+
+def chunk_paths(app: Any) -> dict[str, float]:
+    """The stream's chunk counts, once published: when its handler ends, which may be
+    just after the client has read the last byte."""
+    reg = app.state.metrics.registry
+    deadline = time.monotonic() + 5
+    while True:
+        got = {p: reg.get_sample_value("kvferry_router_stream_chunks_total", {"path": p}) or 0.0
+               for p in ("direct", "pump")}
+        if sum(got.values()) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+def check(raw: bytes, events: int) -> None:
+    """Every event once, in order, no engine field, one [DONE] at the end."""
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"[DONE]") == 1
+    got = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [int(e["choices"][0]["text"][:6]) for e in got] == list(range(events))
+    assert b"kv_transfer_params" not in raw and b"10.0.0.9" not in raw
+    assert all(e["choices"][0]["token_ids"] is None for e in got)  # asked by the router
+
+
+def router(http: str, n_events: int, text_len: int, gap_s: float = 0.0):  # noqa: ANN201
+    class Stack:
+        def __enter__(self) -> tuple[str, Any]:
+            self.p = serve(engine(n_events, text_len, gap_s))
+            self.d = serve(engine(n_events, text_len, gap_s))
+            purl, durl = self.p.__enter__(), self.d.__enter__()
+            self.app = create_app(RouterSettings(prefill_urls=[purl], decode_urls=[durl],
+                                                 health_interval_s=0), b"k")
+            self.r = serve(self.app, http)
+            return self.r.__enter__(), self.app
+
+        def __exit__(self, *exc: Any) -> None:
+            for cm in (self.r, self.d, self.p):
+                cm.__exit__(None, None, None)
+
+    return Stack()
+
+
+BODY = {"model": "fake", "prompt": "hi", "max_tokens": 400, "stream": True}
+
+
+def test_token_chunks_go_direct_and_arrive_whole_in_order() -> None:
+    with router("auto", 300, 20, gap_s=0.002) as (url, app):
+        with httpx.stream("POST", url + "/v1/completions", json=BODY, timeout=20,
+                          trust_env=False) as r:
+            assert r.status_code == 200
+            raw = r.read()
+        check(raw, 300)
+        paths = chunk_paths(app)
+        # nearly every chunk direct; the pump task gets what arrived with D's headers
+        assert paths["direct"] >= 250 and paths["direct"] + paths["pump"] >= 300
+
+
+def test_a_client_that_stops_reading_gets_everything_through_the_pump() -> None:
+    """The client's socket fills (small receive buffer, nothing read for a while): the
+    direct path declines and the pump task waits for the client, as the server's send
+    does; nothing is lost, duplicated or reordered."""
+    n, size = 200, 16_000  # 3.2 MB: more than the sockets' buffers hold
+    small = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 32_768)])
+    with router("auto", n, size) as (url, app), httpx.Client(transport=small,
+                                                              trust_env=False) as c:
+        with c.stream("POST", url + "/v1/completions", json=BODY, timeout=30) as r:
+            assert r.status_code == 200
+            it = r.iter_raw()
+            raw = next(it)
+            time.sleep(1.0)  # the router's writes to this client back up meanwhile
+            raw += b"".join(it)
+        check(raw, n)
+        paths = chunk_paths(app)
+        assert paths["pump"] > 1 and paths["direct"] > 0  # the pump's reads join chunks
+
+
+@pytest.mark.parametrize("http", ["h11"])
+def test_other_servers_get_every_chunk_through_send(http: str) -> None:
+    with router(http, 50, 20, gap_s=0.002) as (url, app):
+        with httpx.stream("POST", url + "/v1/completions", json=BODY, timeout=20,
+                          trust_env=False) as r:
+            raw = r.read()
+        check(raw, 50)
+        assert chunk_paths(app)["direct"] == 0 and chunk_paths(app)["pump"] > 0
