@@ -22,9 +22,10 @@ from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 
 
-def engine(events: int, text_len: int, gap_s: float) -> FastAPI:
+def engine(events: int, text_len: int, gap_s: float, stall_after: int | None = None) -> FastAPI:
     """P answers the prefill leg; D streams `events` token events of `text_len` chars,
-    `gap_s` apart, the last one carrying vLLM 0.33's `kv_transfer_params`, then [DONE]."""
+    `gap_s` apart, the last one carrying vLLM 0.33's `kv_transfer_params`, then [DONE];
+    `stall_after`: it goes silent after that many events."""
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -38,6 +39,8 @@ def engine(events: int, text_len: int, gap_s: float) -> FastAPI:
 
         async def gen() -> AsyncIterator[bytes]:
             for i in range(events):
+                if i == stall_after:
+                    await asyncio.sleep(30)
                 last = i == events - 1
                 ev: dict[str, Any] = {"id": "d", "object": "text_completion", "created": 1,
                                       "model": "fake", "choices": [{
@@ -82,14 +85,15 @@ def check(raw: bytes, events: int) -> None:
     assert all(e["choices"][0]["token_ids"] is None for e in got)  # asked by the router
 
 
-def router(http: str, n_events: int, text_len: int, gap_s: float = 0.0):  # noqa: ANN201
+def router(http: str, n_events: int, text_len: int, gap_s: float = 0.0,  # noqa: ANN201
+           stall_after: int | None = None, **settings: Any):
     class Stack:
         def __enter__(self) -> tuple[str, Any]:
             self.p = serve(engine(n_events, text_len, gap_s))
-            self.d = serve(engine(n_events, text_len, gap_s))
+            self.d = serve(engine(n_events, text_len, gap_s, stall_after))
             purl, durl = self.p.__enter__(), self.d.__enter__()
             self.app = create_app(RouterSettings(prefill_urls=[purl], decode_urls=[durl],
-                                                 health_interval_s=0), b"k")
+                                                 health_interval_s=0, **settings), b"k")
             self.r = serve(self.app, http)
             return self.r.__enter__(), self.app
 
@@ -142,3 +146,20 @@ def test_other_servers_get_every_chunk_through_send(http: str) -> None:
             raw = r.read()
         check(raw, 50)
         assert chunk_paths(app)["direct"] == 0 and chunk_paths(app)["pump"] > 0
+
+
+def test_a_stream_whose_engine_goes_silent_ends_within_its_read_timeout() -> None:
+    """The read timeout of a stream whose chunks go direct (the watchdog reads the body's
+    byte count): D stalls after 20 events; the client has those 20, then an error event
+    and [DONE], within the decode timeout plus the watchdog's slack, not D's 30 s."""
+    with router("auto", 100, 20, gap_s=0.002, stall_after=20, decode_timeout_s=0.5) as (url, app):
+        t0 = time.monotonic()
+        with httpx.stream("POST", url + "/v1/completions", json=BODY, timeout=20,
+                          trust_env=False) as r:
+            raw = r.read()
+        took = time.monotonic() - t0
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [int(e["choices"][0]["text"][:6]) for e in events[:-1]] == list(range(20))
+    assert "error" in events[-1] and raw.endswith(b"data: [DONE]\n\n")
+    assert 0.5 <= took < 3
+    assert chunk_paths(app)["direct"] > 0
