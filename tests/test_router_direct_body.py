@@ -123,7 +123,7 @@ def test_a_client_that_stops_reading_gets_everything_through_the_pump() -> None:
     """The client's socket fills (small receive buffer, nothing read for a while): the
     direct path declines and the pump task waits for the client, as the server's send
     does; nothing is lost, duplicated or reordered."""
-    n, size = 200, 16_000  # 3.2 MB: more than the sockets' buffers hold
+    n, size = 400, 25_000  # 10 MB: more than the sockets' buffers hold (4 MB at most)
     small = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 32_768)])
     with router("auto", n, size) as (url, app), httpx.Client(transport=small,
                                                               trust_env=False) as c:
