@@ -163,3 +163,75 @@ def test_a_stream_whose_engine_goes_silent_ends_within_its_read_timeout() -> Non
     assert "error" in events[-1] and raw.endswith(b"data: [DONE]\n\n")
     assert 0.5 <= took < 3
     assert chunk_paths(app)["direct"] > 0
+
+
+# -- the taker's own ends: a cut leg, a filter that raises (sse.UpstreamStream._taker) ------
+class Counting:
+    """A leg filter that passes chunks on and counts them; `raise_at`: raises on that one."""
+
+    def __init__(self, raise_at: int | None = None) -> None:
+        self.n = 0
+        self.raise_at = raise_at
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.n += 1
+        if self.n == self.raise_at:
+            raise ValueError("filter bug")
+        return chunk
+
+    def flush(self) -> bytes:
+        return b""
+
+
+def one_leg_app(durl: str, flt: Counting, cut_after: int | None, seen: dict[str, Any]) -> Any:
+    """An ASGI app streaming D's answer through one `UpstreamStream` leg with `flt`."""
+    from kvferry.router.wire.sse import Leg, StreamEvents, UpstreamStream
+    from kvferry.router.wire.stream_client import StreamClient
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        client = StreamClient(4, 30)
+        try:
+            resp = await client.post(durl + "/v1/completions",
+                                     json.dumps({**BODY, "max_tokens": 50}).encode(),
+                                     {"content-type": "application/json"}, httpx.Timeout(5))
+            leg = Leg(resp, durl, flt, cut=(lambda: flt.n >= cut_after) if cut_after else None)
+            events = StreamEvents(lambda: None, chunks=lambda d, p: seen.update(direct=d, pump=p))
+            try:
+                await UpstreamStream(leg, leg="decode", headers={}, events=events)(
+                    scope, receive, send)
+            except* ValueError as group:  # from the stream's task group
+                seen["raised"] = [str(e) for e in group.exceptions]
+                raise
+        finally:
+            await client.close()
+
+    return app
+
+
+def test_a_leg_cut_on_the_direct_path_stops_reading_it_there() -> None:
+    """`cut` true after the 3rd chunk the taker handled: nothing after it reaches the
+    client, and the stream ends cleanly."""
+    seen: dict[str, Any] = {}
+    flt = Counting()
+    with (serve(engine(30, 10, 0.01)) as durl, serve(one_leg_app(durl, flt, 3, seen)) as url,
+          httpx.stream("POST", url, json={}, timeout=10, trust_env=False) as r):
+        raw = r.read()
+    got = [e for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert len(got) == 3 and flt.n == 3 and b"[DONE]" not in raw
+    assert seen["direct"] >= 2  # the first chunk may come with D's headers (pump)
+
+
+def test_a_filter_that_raises_on_the_direct_path_raises_in_the_stream_task() -> None:
+    """What a filter raises in the connection's callback is raised where the pump task
+    would have raised it: the stream's handler, not aiohttp's parser (which would call it
+    D's broken body)."""
+    seen: dict[str, Any] = {}
+    flt = Counting(raise_at=4)
+    with (serve(engine(30, 10, 0.01)) as durl,
+          serve(one_leg_app(durl, flt, None, seen)) as url,
+          pytest.raises(httpx.HTTPError),  # uvicorn drops a response its app broke
+          httpx.stream("POST", url, json={}, timeout=10, trust_env=False) as r):
+        r.read()
+    assert seen["raised"] == ["filter bug"] and seen["direct"] >= 2
