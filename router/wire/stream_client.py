@@ -54,32 +54,61 @@ async def _connected(_session: Any, ctx: Any, _params: Any) -> None:
     ctx.trace_request_ctx.set()
 
 
-async def _connect_deadline(task: asyncio.Future[Any], connected: asyncio.Event,
-                            limit_s: float) -> None:
-    """Until `task` has its connection (or ended); ConnectionTimeoutError once `limit_s`
-    of time the router could act in has passed: waits are sliced, and a slice the loop
-    woke from late (it was busy, or the process got no CPU) does not count; at the end
-    the loop is let poll I/O twice, and a connection found made there counts as in time."""
-    loop = asyncio.get_running_loop()
-    waiter = asyncio.ensure_future(connected.wait())
-    budget = limit_s
-    try:
-        while not (connected.is_set() or task.done()):
-            if budget <= 0:
-                for _ in range(2):
-                    await asyncio.sleep(0)
-                if connected.is_set() or task.done():
-                    return
-                raise aiohttp.ConnectionTimeoutError(f"no connection within {limit_s:g} s")
-            step = min(budget, CONNECT_SLICE_S)
-            t0 = loop.time()
-            await asyncio.wait((task, waiter), timeout=step,
-                               return_when=asyncio.FIRST_COMPLETED)
-            elapsed = loop.time() - t0
-            if elapsed <= step + LATE_S:  # on time: the router could have acted
-                budget -= elapsed
-    finally:
-        waiter.cancel()
+class _ConnectDeadline:
+    """Cancels the task sending a request once `limit_s` of time the router could act in
+    has passed without a connection (made, or taken from the pool: `set`).
+
+    Waits are sliced, and a slice the loop woke from late (it was busy, or the process got
+    no CPU) does not count; at the end the loop is let poll I/O twice (two `call_soon`
+    hops: each runs after the next poll), and a connection found made there counts as in
+    time. Loop timers only, no task or future of its own: it is armed for every leg."""
+
+    __slots__ = ("_loop", "_task", "_budget", "_step", "_t0", "_handle", "_done", "fired")
+
+    def __init__(self, limit_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._budget = limit_s
+        self._done = False
+        self.fired = False
+        self._handle: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._slice()
+
+    def _slice(self) -> None:
+        self._step = min(self._budget, CONNECT_SLICE_S)
+        self._t0 = self._loop.time()
+        self._handle = self._loop.call_later(self._step, self._tick)
+
+    def _tick(self) -> None:
+        if self._done:
+            return
+        elapsed = self._loop.time() - self._t0
+        if elapsed <= self._step + LATE_S:  # on time: the router could have acted
+            self._budget -= elapsed
+        if self._budget > 0:
+            self._slice()
+        else:
+            self._handle = self._loop.call_soon(self._hop)
+
+    def _hop(self) -> None:
+        if not self._done:
+            self._handle = self._loop.call_soon(self._fire)
+
+    def _fire(self) -> None:
+        if not self._done and self._task is not None:
+            self.fired = True
+            self._done = True
+            self._task.cancel()
+
+    def set(self) -> None:
+        """The request has its connection (aiohttp's trace hook): no timeout any more."""
+        self.stop()
+
+    def stop(self) -> None:
+        self._done = True
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class _TakingReader(aiohttp.StreamReader):
@@ -106,6 +135,13 @@ _TAKERS: dict[aiohttp.StreamReader, Callable[[bytes], bool]] = {}
 class Interrupt(Exception):  # noqa: N818 - a signal, not an error
     """Raised by `aiter_bytes` once the taker asked to stop reading (`StreamResponse.stop`)."""
 
+
+class _NoDeadline:
+    def set(self) -> None:
+        pass
+
+
+_NO_DEADLINE = _NoDeadline()
 
 CONNECT_SLICE_S = 0.05
 LATE_S = 0.02
@@ -273,22 +309,28 @@ class StreamClient:
         (or a process that got no CPU) past the deadline runs its expired timers before
         it polls the socket that connected long ago, so aiohttp's timer would fail a leg
         whose engine answered at once. Here a timeout is declared only after the loop
-        has polled I/O past the deadline (`_connect_deadline`)."""
+        has polled I/O past the deadline (`_ConnectDeadline`)."""
         t = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None,
                                   sock_read=timeout.read)
-        connected = asyncio.Event()
-        task = asyncio.ensure_future(self.session.post(
-            url, data=content, headers=dict(headers), timeout=t, allow_redirects=False,
-            trace_request_ctx=connected))
+        deadline = _ConnectDeadline(timeout.connect) if timeout.connect is not None else None
         try:
-            if timeout.connect is not None:
-                await _connect_deadline(task, connected, timeout.connect)
-            resp = await task
+            resp = await self.session.post(
+                url, data=content, headers=dict(headers), timeout=t, allow_redirects=False,
+                trace_request_ctx=deadline or _NO_DEADLINE)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if deadline is not None and deadline.fired and task is not None \
+                    and task.uncancel() == 0:  # only the deadline cancelled it
+                raise _as_httpx(aiohttp.ConnectionTimeoutError(
+                    f"no connection within {timeout.connect:g} s")) from None
+            raise
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _as_httpx(exc) from exc
         finally:
-            if not task.done():
-                task.cancel()
+            if deadline is not None:
+                deadline.stop()
+        if deadline is not None and deadline.fired and (task := asyncio.current_task()):
+            task.uncancel()  # aiohttp finished all the same: no cancel may stay pending
         return StreamResponse(resp, self.watchdog)
 
     async def fetch(self, url: str, content: bytes, headers: Mapping[str, str],
