@@ -170,7 +170,10 @@ class StreamResponse:
         content = self._resp.content
         if type(content) is not aiohttp.StreamReader:
             return False
-        content.__class__ = _TakingReader
+        try:
+            content.__class__ = _TakingReader
+        except TypeError:  # another aiohttp whose reader's layout differs: no taker
+            return False
         _TAKERS[content] = taker
         return True
 
