@@ -51,7 +51,8 @@ def _buffered(content: aiohttp.StreamReader) -> bytes:
 
 
 async def _connected(_session: Any, ctx: Any, _params: Any) -> None:
-    ctx.trace_request_ctx.set()
+    if ctx.trace_request_ctx is not None:  # the request's `_ConnectDeadline`, if it has one
+        ctx.trace_request_ctx.set()
 
 
 class _ConnectDeadline:
@@ -135,13 +136,6 @@ _TAKERS: dict[aiohttp.StreamReader, Callable[[bytes], bool]] = {}
 class Interrupt(Exception):  # noqa: N818 - a signal, not an error
     """Raised by `aiter_bytes` once the taker asked to stop reading (`StreamResponse.stop`)."""
 
-
-class _NoDeadline:
-    def set(self) -> None:
-        pass
-
-
-_NO_DEADLINE = _NoDeadline()
 
 CONNECT_SLICE_S = 0.05
 LATE_S = 0.02
@@ -319,7 +313,7 @@ class StreamClient:
         try:
             resp = await self.session.post(
                 url, data=content, headers=dict(headers), timeout=t, allow_redirects=False,
-                trace_request_ctx=deadline or _NO_DEADLINE)
+                trace_request_ctx=deadline)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if deadline is not None and deadline.fired and task is not None \
