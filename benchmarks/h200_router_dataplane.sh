@@ -7,6 +7,7 @@
 # (overload: kvferry's router alone at 4x its admission capacity of 64 + 64, then at half.)
 # WORKERS=N: `kvferry up --router-workers N` (default 1; the rows say `router_workers`).
 # ROUNDS=N: each target measured N times, interleaved (default 1; a noisy host drifts).
+# MORE=kvferry@4: more targets after each stack's own (here: its router again, 4 workers).
 # usage: KVFERRY_COMMIT=<commit> DUR=30 bash benchmarks/h200_router_dataplane.sh STACK...
 set -uo pipefail
 source benchmarks/lib.sh
@@ -42,7 +43,8 @@ for S in "$@"; do
       --kvferry-arg=64 --output-len 128 --duration $DUR --log-dir $OUT --out $OUTF 2>&1 | tail -15
   else
     python3 benchmarks/router_dataplane.py --hardware $HW --no-pin --prefill http://127.0.0.1:8100 \
-      --decode http://127.0.0.1:8200 --kvferry http://127.0.0.1:8000 --duration $DUR --impls $IMPLS \
+      --decode http://127.0.0.1:8200 --kvferry http://127.0.0.1:8000 --duration $DUR \
+      --impls $IMPLS${MORE:+,$MORE} \
       --rounds ${ROUNDS:-1} \
       --vllm-router /tmp/site/bin/vllm-router --log-dir $OUT --out $OUTF 2>&1 | tail -15
   fi

@@ -263,6 +263,24 @@ class Bench:
         wait_http(url + "/health", 60, proc)
         return Target("kvferry", url, proc.pid, len(listener_pids(url)))
 
+    def kvferry_like(self, base: Target, workers: int) -> Target:
+        """Another kvferry router with `base`'s command line and environment (read from
+        /proc: the same engines, connector settings and secret) but `workers` worker
+        processes, on a port of its own: one run compares worker counts on the same
+        engines (`--impls kvferry,kvferry@4`)."""
+        assert base.pid is not None, "the kvferry router's pid is unknown"
+        root = psutil.Process(base.pid)
+        cmd, env = root.cmdline(), root.environ()
+        port = free_port()
+        cmd = _with_option(_with_option(cmd, "--port", str(port)), "--workers", str(workers))
+        out = open(Path(self.args.log_dir) / f"kvferry-router-w{workers}.log", "wb")  # noqa: SIM115
+        pin = ["taskset", "-c", self.router_cpus] if self.router_cpus else []
+        proc = subprocess.Popen([*pin, *cmd], stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.stack.callback(_stop, proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", 60, proc)
+        return Target("kvferry", url, proc.pid, len(listener_pids(url)))
+
     def vllm_router(self, p: str, d: str) -> Target:
         port = free_port()
         exe = self.args.vllm_router or shutil.which(
@@ -274,6 +292,21 @@ class Bench:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 120, proc)
         return Target("vllm-router", url, proc.pid)
+
+
+def _with_option(cmd: list[str], name: str, value: str) -> list[str]:
+    """`cmd` with option `name` set to `value` (replaced where given, else appended)."""
+    out, i = [], 0
+    while i < len(cmd):
+        if cmd[i] == name:
+            i += 2
+            continue
+        if cmd[i].startswith(name + "="):
+            i += 1
+            continue
+        out.append(cmd[i])
+        i += 1
+    return [*out, name, value]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -380,23 +413,29 @@ async def run(args: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
         rec["recovered"] = rec["errors"] == 0 and rec["requests"] > 0
         out.append(rec)
         return out
-    started = [targets[name]() for name in args.impls.split(",")]
+    started: list[Target] = []
+    for name in args.impls.split(","):
+        if name.startswith("kvferry@"):  # the kvferry router again, with N workers
+            base = next((t for t in started if t.impl == "kvferry"), None) or bench.kvferry(p, d)
+            started.append(bench.kvferry_like(base, int(name.split("@", 1)[1])))
+        else:
+            started.append(targets[name]())
     for conc in map(int, args.concurrency.split(",")):
         # Rounds interleave the targets, each round in another order, so that a machine
         # drifting during the run (a noisy GPU host) weighs on every target alike.
-        got: dict[str, tuple[Phase, float, float | None]] = {}
+        got: dict[int, tuple[Phase, float, float | None]] = {}
         for r in range(args.rounds):
             k = r % len(started)
             for t in started[k:] + started[:k]:
                 ph, wall, cpu = await phase(args, t, conc, body)
-                if t.impl in got:
-                    ph0, wall0, cpu0 = got[t.impl]
+                if id(t) in got:
+                    ph0, wall0, cpu0 = got[id(t)]
                     ph0.add(ph)
                     cpu = cpu0 + cpu if cpu0 is not None and cpu is not None else None
                     ph, wall = ph0, wall0 + wall
-                got[t.impl] = (ph, wall, cpu)
+                got[id(t)] = (ph, wall, cpu)
         for t in started:
-            out.append(report(args, t, conc, *got[t.impl],
+            out.append(report(args, t, conc, *got[id(t)],
                               {"rounds": args.rounds} if args.rounds > 1 else None))
     return out
 
@@ -404,7 +443,9 @@ async def run(args: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="64,256")
-    ap.add_argument("--impls", default="direct,kvferry,vllm-router")
+    ap.add_argument("--impls", default="direct,kvferry,vllm-router",
+                    help="targets, comma-separated: direct, kvferry, vllm-router, and "
+                    "kvferry@N (the kvferry router's command line again with --workers N)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per target")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure each target this many times, interleaved and each round "
