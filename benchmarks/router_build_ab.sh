@@ -17,8 +17,10 @@ git worktree add -q "$WT/tree" "$BASE" || exit 2
 mkdir -p "$PKG/kvferry"
 # the base build as the package `kvferry` (PYTHONPATH goes before the editable install)
 for t in connectors router neuron scripts; do ln -sfn "$WT/tree/$t" "$PKG/kvferry/$t"; done
-P=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); from router_dataplane import free_port; print(free_port())")
-D=$((P + 1)); RB=$((P + 2)); RN=$((P + 3))
+read -r P D RB RN < <($PY -c "import socket
+socks = [socket.socket() for _ in range(4)]
+for s in socks: s.bind(('127.0.0.1', 0))
+print(*(s.getsockname()[1] for s in socks))")
 pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null; git worktree remove --force "$WT/tree"; rm -rf "$WT"; }
 trap cleanup EXIT

@@ -227,11 +227,12 @@ class Bench:
         if self.other_cpus:
             os.sched_setaffinity(0, others)
 
-    def popen(self, cmd: list[str], pin: str | None, log: str) -> subprocess.Popen:
+    def popen(self, cmd: list[str], pin: str | None, log: str,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
         if pin:
             cmd = ["taskset", "-c", pin, *cmd]
         out = open(Path(self.args.log_dir) / log, "wb")  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.stack.callback(_stop, proc)
         return proc
 
@@ -272,11 +273,8 @@ class Bench:
         root = psutil.Process(base.pid)
         cmd, env = root.cmdline(), root.environ()
         port = free_port()
-        cmd = _with_option(_with_option(cmd, "--port", str(port)), "--workers", str(workers))
-        out = open(Path(self.args.log_dir) / f"kvferry-router-w{workers}.log", "wb")  # noqa: SIM115
-        pin = ["taskset", "-c", self.router_cpus] if self.router_cpus else []
-        proc = subprocess.Popen([*pin, *cmd], stdout=out, stderr=subprocess.STDOUT, env=env)
-        self.stack.callback(_stop, proc)
+        cmd = with_option(with_option(cmd, "--port", str(port)), "--workers", str(workers))
+        proc = self.popen(cmd, self.router_cpus, f"kvferry-router-w{workers}.log", env)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 60, proc)
         return Target("kvferry", url, proc.pid, len(listener_pids(url)))
@@ -294,7 +292,7 @@ class Bench:
         return Target("vllm-router", url, proc.pid)
 
 
-def _with_option(cmd: list[str], name: str, value: str) -> list[str]:
+def with_option(cmd: list[str], name: str, value: str) -> list[str]:
     """`cmd` with option `name` set to `value` (replaced where given, else appended)."""
     out, i = [], 0
     while i < len(cmd):
