@@ -53,9 +53,10 @@ class Engine:
                  **cfg: float):
         self.engine_id = f"{role}-{uuid.uuid4().hex[:8]}"
         self.port = free_port()  # rank r listens on port + r (free_port keeps ports 8 apart)
-        # The handshake bound is the product default unless a test shortens it: a peer's
-        # registration (UCX add_remote_agent for every rank's agent in this one process)
-        # took over 2 s on the 2 CI cores with engine tests beside it.
+        # A peer's registration (UCX add_remote_agent for every rank's agent in this one
+        # process) took over 5 s on the 2 CI cores with engine tests beside it (0.9 s at
+        # most here beside the 2p2d engine test): UCX's add is bounded by recv_timeout_s,
+        # not the handshake's 5 s (transport.add_peer_bound).
         self.cfg = ConnectorConfig(side_channel_port=self.port, **{"recv_timeout_s": 10.0,
                                                                    **cfg})
         hd, cut = LAYOUTS[layout]

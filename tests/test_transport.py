@@ -274,6 +274,16 @@ def test_agents_turn_cuda_ipc_get_on_unless_the_environment_says(monkeypatch) ->
     del agent
 
 
+def test_adding_a_peer_is_bounded_by_the_handshake_only_where_it_waits_on_the_peer() -> None:
+    """LIBFABRIC's add waits on the peer: the handshake bound. UCX's is local work: the
+    transfer's own deadline, so a starved process is not turned into a recompute."""
+    from kvferry.connectors.transfer.transport import add_peer_bound
+
+    assert add_peer_bound(["LIBFABRIC"], 5.0, 30.0) == 5.0
+    assert add_peer_bound(["UCX", "LIBFABRIC"], 5.0, 30.0) == 5.0
+    assert add_peer_bound(["UCX"], 5.0, 30.0) == 30.0
+
+
 def test_add_peer_gives_up_after_its_timeout_and_the_call_stays_in_its_thread(pair) -> None:
     """LIBFABRIC's add_remote_agent blocks while the peer is unreachable: with
     add_peer_timeout_s the Transport raises instead of hanging its caller (the

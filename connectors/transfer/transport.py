@@ -88,6 +88,21 @@ FENCE_S = 10.0
 reported running before its caller gives up on hearing its end (``transfers_unfenced``)."""
 
 
+ADD_WAITS_ON_PEER = frozenset({"LIBFABRIC"})
+"""Backends whose add_remote_agent waits on the peer (LIBFABRIC blocks while it is
+unreachable: the module docstring). UCX's only creates endpoints (ucp_ep_create, which
+connects lazily: NIXL src/plugins/ucx/ucx_utils.cpp) and fails at once for a dead peer."""
+
+
+def add_peer_bound(backends: Sequence[str], handshake_timeout_s: float,
+                   local_bound_s: float) -> float:
+    """How long `Transport.add_peer` may take: the handshake's bound where adding waits on
+    the peer; else ``local_bound_s`` (the transfer's own deadline), since then it is local
+    work that only a starved process slows down, and giving up early would only turn a
+    busy machine's transfer into a recompute (seen on CI's two cores: over 5 s)."""
+    return handshake_timeout_s if ADD_WAITS_ON_PEER & set(backends) else local_bound_s
+
+
 def combined(states: Sequence[XferState]) -> XferState:
     """One state for several requests: ERR if any failed, PROC while any runs, else DONE."""
     if XferState.ERR in states:

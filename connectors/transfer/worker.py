@@ -43,7 +43,7 @@ from kvferry.connectors.transfer.reads import Reads
 from kvferry.connectors.transfer.results import ResultBox, Results
 from kvferry.connectors.transfer.sends import Sends
 from kvferry.connectors.transfer.stats import Stats
-from kvferry.connectors.transfer.transport import Transport
+from kvferry.connectors.transfer.transport import Transport, add_peer_bound
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -61,10 +61,11 @@ class TransferWorker:
         self.engine_id = engine_id
         self.instance = instance  # our boot id, in the handshake
         self.ranks = Ranks(rank, tp_size, num_heads)
-        self.transport = Transport(layout, nixl_backends or cfg.transport_backends(),
-                                   name=f"kvferry-{engine_id}-r{rank}",
+        backends = nixl_backends or cfg.transport_backends()
+        self.transport = Transport(layout, backends, name=f"kvferry-{engine_id}-r{rank}",
                                    progress_delay_us=cfg.nixl_progress_delay_us,
-                                   add_peer_timeout_s=cfg.handshake_timeout_s)
+                                   add_peer_timeout_s=add_peer_bound(
+                                       backends, cfg.handshake_timeout_s, cfg.recv_timeout_s))
         self.stats = Stats(engine_id, rank)  # served on the side channel (b"stats")
         hello = messages.Hello(engine_id, rank, self.transport.metadata(), layout.to_wire(),
                                tp_size, instance, PROTOCOL_VERSION,
