@@ -188,6 +188,7 @@ class Transport:
             )
         self._peers: dict[str, Peer] = {}
         self._reg = None
+        self._pool_reg = None
         if layout.regions:
             mem_types = {r.mem_type for r in layout.regions}
             if len(mem_types) != 1:
@@ -240,6 +241,25 @@ class Transport:
         if isinstance(out[0], Exception):
             raise out[0]
         return out[0]
+
+    def add_pool(self, pool: KVLayout) -> Peer:
+        """This rank's host pool (memory/host_pool.py), registered once, as a peer of its
+        own agent: a WRITE to it copies KV blocks into slots, a READ from it copies them
+        back. NIXL needs no metadata for its own agent (loadRemoteMD refuses it)."""
+        check_compatible(self.layout, pool)
+        if self._pool_reg is not None:
+            raise TransferError("this rank has a host pool already")
+        regs = [(r.addr, r.length, r.device_id, "") for r in pool.regions]
+        self._pool_reg = self.agent.register_memory(regs, pool.regions[0].mem_type,
+                                                    backends=self.backends)
+        return Peer(self.name, pool)
+
+    @staticmethod
+    def pool_of(peer: Peer, pool: KVLayout) -> Peer:
+        """A peer's host pool (its handshake's pool layout) as something to READ from: the
+        same remote agent, the pool's addresses, slots shaped like that rank's blocks."""
+        check_compatible(peer.layout, pool)
+        return Peer(peer.agent_name, pool)
 
     def peer(self, key: str) -> Peer | None:
         return self._peers.get(key)
@@ -381,11 +401,13 @@ class Transport:
             return
         for key in list(self._peers):
             self.drop_peer(key)
-        if self._reg is not None:
+        for reg in (self._reg, self._pool_reg):
+            if reg is None:
+                continue
             try:
-                self.agent.deregister_memory(self._reg, backends=self.backends)
+                self.agent.deregister_memory(reg, backends=self.backends)
             except Exception as e:
                 log.debug("deregister_memory: %s", e)
-            self._reg = None
+        self._reg = self._pool_reg = None
         self.agent = None
         gc.collect()  # the wrapper's handles may hold it in a cycle
