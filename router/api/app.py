@@ -27,6 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp
 
 from kvferry.connectors.protocol.params import SECRET_ENV, secret
 
@@ -49,6 +50,7 @@ from ..wire.sse import RawSend
 from ..wire.stream_client import StreamClient
 from . import auth, intake
 from .admission import Admission, AdmissionMiddleware
+from .direct_routes import Handler, RouterApp, as_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +139,15 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
             await asyncio.gather(*pending, return_exceptions=True)
             await holder["ctx"].streams.close()
 
-    app = FastAPI(title="kvferry router", lifespan=lifespan)
-    # Middlewares see a stream's start message, not its body chunks: those go straight to
-    # the server's send (`RawSend`, wire/sse.py). Nothing here may rely on seeing them.
-    app.add_middleware(AdmissionMiddleware, admission=Admission(  # type: ignore[arg-type]
-        settings.max_active, settings.max_queued, settings.queue_timeout_s),
-        on_refused=lambda path, kind: metrics.errors.labels(
-            endpoint=bodies.CHAT if "chat" in path else bodies.COMPLETIONS, leg="router",
-            kind=kind).inc())
+    app = RouterApp(title="kvferry router", lifespan=lifespan)
+    admission = Admission(settings.max_active, settings.max_queued, settings.queue_timeout_s)
+
+    def admitted(handler: Handler) -> ASGIApp:
+        return AdmissionMiddleware(as_endpoint(handler), admission=admission,
+                                   on_refused=lambda path, kind: metrics.errors.labels(
+                                       endpoint=bodies.CHAT if "chat" in path
+                                       else bodies.COMPLETIONS, leg="router", kind=kind).inc())
+
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.conversations = conversations
@@ -193,13 +196,18 @@ def create_app(settings: RouterSettings, secret_key: bytes | None = None) -> Fas
             endpoint=endpoint, code=str(resp.status_code)), received)
         return resp
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle(request, bodies.COMPLETIONS, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(request, bodies.CHAT, "/v1/chat/completions")
+
+    # The token path's endpoints: admitted, then served past FastAPI's layers. FastAPI
+    # keeps them too, for its schema and a 405 to any other method.
+    app.direct = {"/v1/completions": admitted(completions),
+                  "/v1/chat/completions": admitted(chat_completions)}
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat_completions)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
