@@ -48,7 +48,7 @@ from ..settings import MODES, Mode, RouterSettings
 from ..wire import bodies, validate
 from ..wire.sse import RawSend
 from ..wire.stream_client import StreamClient
-from . import auth, intake
+from . import accept, auth, intake
 from .admission import Admission, AdmissionMiddleware
 from .direct_routes import Handler, RouterApp, as_endpoint
 
@@ -357,14 +357,38 @@ def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
     Draining is uvicorn's graceful shutdown (listener closed, in-flight requests and
     streams finish, bounded by ``drain_timeout_s``); the process then exits 0, as an
     orchestrator expects of a replica it asked to stop. ``sock``: a listening socket to
-    serve on instead of binding host:port (a worker of `workers.serve_workers`).
+    serve on instead of binding host:port (a worker of `workers.serve_workers`). Client
+    connections are accepted by the router's own `accept.Acceptor`, not uvicorn's
+    listener (uvloop's leaves them queued while the loop is busy).
     """
     import uvicorn
 
     app = create_app(settings)
+    listening = sock if sock is not None else accept.bind(host, port)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn whose SIGTERM drains: new requests get 503 while open ones finish."""
+
+        acceptor: accept.Acceptor | None = None
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=[])  # the lifespan; the listener is ours
+            loop = asyncio.get_running_loop()
+            config, state = self.config, self.server_state
+
+            def protocol() -> asyncio.Protocol:  # as uvicorn's own listener makes them
+                return config.http_protocol_class(  # type: ignore[call-arg]
+                    config=config, server_state=state, app_state=self.lifespan.state,
+                    _loop=loop)
+
+            self.acceptor = accept.Acceptor(listening, protocol, loop)
+            log.info("router listening on http://%s:%d", host, port)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            if self.acceptor is not None:
+                self.acceptor.close()
+            listening.close()
+            await super().shutdown(sockets)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if sig == signal.SIGTERM:
@@ -384,4 +408,4 @@ def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
     config = uvicorn.Config(RawSend(app), host=host, port=port, log_level=log_level,
                             access_log=verbose,
                             timeout_graceful_shutdown=settings.drain_timeout_s)
-    DrainingServer(config).run(sockets=[sock] if sock is not None else None)
+    DrainingServer(config).run()

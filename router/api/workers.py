@@ -26,6 +26,7 @@ from types import FrameType
 
 from ..conversations.sqlite_state import URL_PREFIX, connect
 from ..settings import RouterSettings
+from . import accept
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,7 @@ def shared_state(settings: RouterSettings) -> tuple[RouterSettings, Path | None]
 
 def listener(host: str, port: int) -> socket.socket:
     """A listening socket that other workers may bind too (SO_REUSEPORT)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    return accept.bind(host, port, reuse_port=True)
 
 
 def serve_workers(settings: RouterSettings, host: str, port: int, log_level: str,
