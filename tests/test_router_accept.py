@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 
 import pytest
 import uvloop
@@ -63,3 +65,19 @@ def test_the_whole_accept_queue_is_taken_at_once_and_close_stops_it(loop: str) -
         uvloop.run(_scenario())
     else:
         asyncio.run(_scenario())
+
+
+def test_a_router_whose_port_is_taken_says_so_and_exits_3() -> None:
+    """`kvferry router` binds its socket itself now: a busy port is uvicorn's
+    startup-failure status, as before (and a lone router never shares a port: no
+    SO_REUSEPORT)."""
+    holder = accept.bind("127.0.0.1", 0)
+    port = holder.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvferry.scripts.cli", "router", "--prefill",
+                            "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--port",
+                            str(port), "--health-interval", "0"],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        holder.close()
+    assert r.returncode == 3, r.stderr[-2000:]

@@ -364,7 +364,11 @@ def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
     import uvicorn
 
     app = create_app(settings)
-    listening = sock if sock is not None else accept.bind(host, port)
+    try:
+        listening = sock if sock is not None else accept.bind(host, port)
+    except OSError as exc:  # as uvicorn's own bind failure: a line and exit status 3
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        raise SystemExit(3) from None
 
     class DrainingServer(uvicorn.Server):
         """uvicorn whose SIGTERM drains: new requests get 503 while open ones finish."""
