@@ -58,7 +58,7 @@ class ConnectorConfig(BaseModel):
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = Field(SIDE_CHANNEL_PORT, ge=1, le=65535)  # + tp rank
     # Bounds a peer's hello, and adding its agent where that waits on the peer (LIBFABRIC;
-    # UCX's add is local work, bounded by recv_timeout_s: transport.add_peer_bound).
+    # UCX's add is local work, bounded by recv_timeout_s: backend_settings.add_peer_bound).
     handshake_timeout_s: float = Field(5.0, gt=0)
     # P keeps a finished prefill's blocks this long for D to read, then frees them.
     send_timeout_s: float = Field(120.0, gt=0)

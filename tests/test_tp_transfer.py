@@ -56,7 +56,7 @@ class Engine:
         # A peer's registration (UCX add_remote_agent for every rank's agent in this one
         # process) took over 5 s on the 2 CI cores with engine tests beside it (0.9 s at
         # most here beside the 2p2d engine test): UCX's add is bounded by recv_timeout_s,
-        # not the handshake's 5 s (transport.add_peer_bound).
+        # not the handshake's 5 s (backend_settings.add_peer_bound).
         self.cfg = ConnectorConfig(side_channel_port=self.port, **{"recv_timeout_s": 10.0,
                                                                    **cfg})
         hd, cut = LAYOUTS[layout]

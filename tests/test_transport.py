@@ -261,13 +261,13 @@ def test_idle_agents_do_not_spin(pair):
 def test_agents_turn_cuda_ipc_get_on_unless_the_environment_says(monkeypatch) -> None:
     """Same-GPU READs were emulated over TCP at ~400 MB/s with UCX's default (auto): every
     agent asks for cuda_ipc GET, and a user's own setting wins."""
-    from kvferry.connectors.transfer import transport
+    from kvferry.connectors.transfer import backend_settings, transport
 
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
-    assert transport.ucx_defaults() == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    assert backend_settings.ucx_defaults() == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
     assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "off")
-    assert transport.ucx_defaults() == {}
+    assert backend_settings.ucx_defaults() == {}
     assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "off"
     agent = transport.make_agent("ucx-env-test", ["UCX"], 1000)  # a real agent starts with it
     assert "UCX" in agent.backends
@@ -277,7 +277,7 @@ def test_agents_turn_cuda_ipc_get_on_unless_the_environment_says(monkeypatch) ->
 def test_adding_a_peer_is_bounded_by_the_handshake_only_where_it_waits_on_the_peer() -> None:
     """LIBFABRIC's add waits on the peer: the handshake bound. UCX's is local work: the
     transfer's own deadline, so a starved process is not turned into a recompute."""
-    from kvferry.connectors.transfer.transport import add_peer_bound
+    from kvferry.connectors.transfer.backend_settings import add_peer_bound
 
     assert add_peer_bound(["LIBFABRIC"], 5.0, 30.0) == 5.0
     assert add_peer_bound(["UCX", "LIBFABRIC"], 5.0, 30.0) == 5.0

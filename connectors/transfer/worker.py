@@ -32,6 +32,7 @@ from kvferry.connectors.protocol.params import PROTOCOL_VERSION
 from kvferry.connectors.protocol.step import PushSend, StepMeta
 from kvferry.connectors.protocol.tp_map import Ranks
 from kvferry.connectors.transfer import verify
+from kvferry.connectors.transfer.backend_settings import add_peer_bound
 from kvferry.connectors.transfer.handshake import HandshakeServer
 from kvferry.connectors.transfer.layer_push import LayerFence
 from kvferry.connectors.transfer.mirror import Mirror, Staging
@@ -43,7 +44,7 @@ from kvferry.connectors.transfer.reads import Reads
 from kvferry.connectors.transfer.results import ResultBox, Results
 from kvferry.connectors.transfer.sends import Sends
 from kvferry.connectors.transfer.stats import Stats
-from kvferry.connectors.transfer.transport import Transport, add_peer_bound
+from kvferry.connectors.transfer.transport import Transport
 
 log = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 

@@ -7,20 +7,18 @@ Per-request mode: header `x-kvferry-mode` or body field `kvferry_mode`, else the
 Push needs the prefill engines' side-channel addresses (RouterSettings.prefill_kv_addrs).
 
 Fleet (see `fleet.discovery`, `conversations.state`): conversation state in memory or Redis, engines from a
-file as well as the static lists, health probes that eject and re-admit engines; `serve`
-drains on SIGTERM (stops accepting, finishes in-flight streams, bounded, exits 0).
+file as well as the static lists, health probes that eject and re-admit engines;
+`server.serve` runs it and drains on SIGTERM (stops accepting, finishes in-flight streams,
+bounded, exits 0).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -46,9 +44,8 @@ from ..legs.request import RouterRequest
 from ..metrics import RouterMetrics
 from ..settings import MODES, Mode, RouterSettings
 from ..wire import bodies, validate
-from ..wire.sse import RawSend
 from ..wire.stream_client import StreamClient
-from . import accept, auth, intake
+from . import auth, intake
 from .admission import Admission, AdmissionMiddleware
 from .direct_routes import Handler, RouterApp, as_endpoint
 
@@ -348,68 +345,3 @@ async def _every(period_s: float, fn: Callable[[], Awaitable[None]]) -> None:
     while True:
         await fn()
         await asyncio.sleep(period_s)
-
-
-def serve(settings: RouterSettings, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", sock: socket.socket | None = None) -> None:
-    """Run the router under uvicorn (blocking) until SIGINT, or SIGTERM: then drain.
-
-    Draining is uvicorn's graceful shutdown (listener closed, in-flight requests and
-    streams finish, bounded by ``drain_timeout_s``); the process then exits 0, as an
-    orchestrator expects of a replica it asked to stop. ``sock``: a listening socket to
-    serve on instead of binding host:port (a worker of `workers.serve_workers`). Client
-    connections are accepted by the router's own `accept.Acceptor`, not uvicorn's
-    listener (uvloop's leaves them queued while the loop is busy).
-    """
-    import uvicorn
-
-    app = create_app(settings)
-    try:
-        listening = sock if sock is not None else accept.bind(host, port)
-    except OSError as exc:  # as uvicorn's own bind failure: a line and exit status 3
-        log.error("cannot listen on %s:%d: %s", host, port, exc)
-        raise SystemExit(3) from None
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn whose SIGTERM drains: new requests get 503 while open ones finish."""
-
-        acceptor: accept.Acceptor | None = None
-
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets=[])  # the lifespan; the listener is ours
-            loop = asyncio.get_running_loop()
-            config, state = self.config, self.server_state
-
-            def protocol() -> asyncio.Protocol:  # as uvicorn's own listener makes them
-                return config.http_protocol_class(  # type: ignore[call-arg]
-                    config=config, server_state=state, app_state=self.lifespan.state,
-                    _loop=loop)
-
-            self.acceptor = accept.Acceptor(listening, protocol, loop)
-            log.info("router listening on http://%s:%d", host, port)
-
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            if self.acceptor is not None:
-                self.acceptor.close()
-            listening.close()
-            await super().shutdown(sockets)
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if sig == signal.SIGTERM:
-                app.state.draining = True
-                app.state.metrics.draining.set(1)
-                log.info("SIGTERM: draining (up to %.0f s for in-flight requests)",
-                         settings.drain_timeout_s)
-                self.should_exit = True  # not re-raised at exit: a drained router exits 0
-                return
-            super().handle_exit(sig, frame)
-
-    # Nothing logged per request at the default level: uvicorn's access line and httpx's
-    # "HTTP Request" line cost the token path a formatted write each (debug keeps them).
-    verbose = log_level.lower() in ("debug", "trace")
-    if not verbose:
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = uvicorn.Config(RawSend(app), host=host, port=port, log_level=log_level,
-                            access_log=verbose,
-                            timeout_graceful_shutdown=settings.drain_timeout_s)
-    DrainingServer(config).run()

@@ -72,7 +72,7 @@ def listener(host: str, port: int) -> socket.socket:
 def serve_workers(settings: RouterSettings, host: str, port: int, log_level: str,
                   workers: int) -> int:
     """Run `workers` routers on host:port until they exit; the exit status."""
-    from .app import serve
+    from .server import serve
 
     if workers == 1:
         serve(settings, host=host, port=port, log_level=log_level)
@@ -86,7 +86,7 @@ def serve_workers(settings: RouterSettings, host: str, port: int, log_level: str
 
 
 def _fork(settings: RouterSettings, host: str, port: int, log_level: str, workers: int) -> int:
-    from .app import serve
+    from .server import serve
 
     pids = []
     for _ in range(workers):
