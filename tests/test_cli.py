@@ -268,10 +268,10 @@ def test_up_sets_kv_checksums_on_both_engines(tmp_path: Path,
 
 
 def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvferry.router.api import app as router_app
+    from kvferry.router.api import server as router_server
 
     seen: list[RouterSettings] = []
-    monkeypatch.setattr(router_app, "serve", lambda settings, **kw: seen.append(settings))
+    monkeypatch.setattr(router_server, "serve", lambda settings, **kw: seen.append(settings))
     r = runner.invoke(cli.app, ["router", "--prefill", "http://a:1,http://b:2", "--decode",
                                 "http://c:3", "--mode", "push", "--prefill-kv", "10.0.0.1:5600",
                                 "--prefill-kv", "10.0.0.2:5600"])
@@ -295,10 +295,10 @@ def test_router_command_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_router_max_migrations(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--max-migrations` (or $KVFERRY_MAX_MIGRATIONS) sets RouterSettings.max_migrations;
     the default is the settings' own; a negative count is refused."""
-    from kvferry.router.api import app as router_app
+    from kvferry.router.api import server as router_server
 
     seen: list[RouterSettings] = []
-    monkeypatch.setattr(router_app, "serve", lambda settings, **kw: seen.append(settings))
+    monkeypatch.setattr(router_server, "serve", lambda settings, **kw: seen.append(settings))
     monkeypatch.delenv("KVFERRY_MAX_MIGRATIONS", raising=False)
     base = ["router", "--prefill", "http://a:1", "--decode", "http://c:3"]
     assert runner.invoke(cli.app, base).exit_code == 0

@@ -53,10 +53,10 @@ def vllm_serve_args(args: list[str]) -> argparse.Namespace:
 
 def router_settings(args: list[str], monkeypatch: pytest.MonkeyPatch) -> RouterSettings:
     """What ``kvferry router ARGS`` would serve: the real typer app, ``serve`` recorded."""
-    from kvferry.router.api import app as router_app
+    from kvferry.router.api import server as router_server
 
     seen: list[RouterSettings] = []
-    monkeypatch.setattr(router_app, "serve", lambda settings, **kw: seen.append(settings))
+    monkeypatch.setattr(router_server, "serve", lambda settings, **kw: seen.append(settings))
     r = CliRunner().invoke(cli.app, ["router", *args])
     assert r.exit_code == 0, f"kvferry router refused {shlex.join(args)}:\n{r.output}"
     (settings,) = seen
