@@ -28,6 +28,7 @@ from .chaos_stack import MAX_MODEL_LEN, ChaosStack, Proc
 from .chaos_traffic import Item, Outcome, Workload, completion, send, tokens
 
 WINDOW_S = 10.0  # how long a hook fault stays on
+LEASE_GRACE_S = 90.0  # how long past its window a lease fault waits for the router
 
 # fault -> (hook rules while it is on, or None for process/request faults)
 HOOKS: dict[str, list[dict[str, Any]]] = {
@@ -186,7 +187,7 @@ class Injector:
         end = time.monotonic() + WINDOW_S
         if ev.kind.startswith("lease_"):
             time.sleep(1.0)  # every process has re-read the plan (faults.RELOAD_S)
-            self._lease_calls(ev)
+            self._lease_calls(ev, end)
         if ev.kind == "read_hold":
             time.sleep(1.0)
             self._held_reads(ev, end)
@@ -225,12 +226,29 @@ class Injector:
             sent += 1
         ev.detail += f" own requests={sent} flipped={self._hits('corrupt') - hit0}"
 
-    def _lease_calls(self, ev: FaultEvent) -> None:
-        """Lease-control traffic inside the window (background turns may not make any):
-        a streamed turn (the router fetches D's offer over the channel), a next turn (the
-        old lease is released), a heartbeat (renewal) and the end of the conversation."""
+    def _lease_calls(self, ev: FaultEvent, end: float) -> None:
+        """Lease-control traffic inside the window (background turns may not make any),
+        sent again once the router is back until a lease call met the window's rules, at
+        most `LEASE_GRACE_S` past its end: the seeded order can kill the router while the
+        window's turns are in flight, and a CI run's lease window then met none (for the
+        same reason as `_held_reads`: a window that met nothing tested nothing)."""
+        hits0 = self._hits("lease_handle") + self._hits("lease_call")
+        rounds = 0
+        while True:
+            router = self.restarting.get("router")
+            if router is not None:  # a restart in progress: its requests would be refused
+                router.join(timeout=max(0.0, end + LEASE_GRACE_S - time.monotonic()))
+            self._lease_round(ev, f"{ev.kind}-{self.seed}-{len(self.events)}-{rounds}")
+            rounds += 1
+            met = self._hits("lease_handle") + self._hits("lease_call") - hits0
+            if met or time.monotonic() > end + LEASE_GRACE_S:
+                break
+        ev.detail += f" rounds={rounds} lease hits={met}"
+
+    def _lease_round(self, ev: FaultEvent, cid: str) -> None:
+        """A streamed turn (the router fetches D's offer over the channel), a next turn
+        (the old lease is released), a heartbeat (renewal) and the conversation's end."""
         conv = self.rng.choice(self.work.conversations)
-        cid = f"{ev.kind}-{self.seed}-{len(self.events)}"
         first, second = conv.turns[0], conv.turns[1]
         self._send(ev, Item(first.endpoint, {**first.body, "stream": True}, first.mode,
                             ev.kind, want=first.want, cid=cid))
