@@ -125,9 +125,25 @@ class _TakingReader(aiohttp.StreamReader):
         take = _TAKERS.get(self)
         if take is not None and data and not self._buffer and take(data):
             self.total_bytes += len(data)
+            self._cursor += len(data)  # read, as far as aiohttp's chunk bookkeeping goes
             return False
         return super().feed_data(data, size)
 
+    def end_http_chunk_receiving(self) -> None:
+        """aiohttp records where each HTTP chunk ends until a read passes it (`_cursor`),
+        and stops reading the connection while more than `_high_water_chunks` (16,384
+        with its 256 KiB read buffer) are recorded: taken chunks were never read, so a
+        stream stalled after its 16,384th token. With nothing buffered every recorded
+        end was taken or read: forgotten."""
+        splits = self._http_chunk_splits
+        if splits and not self._buffer:
+            splits.clear()
+        super().end_http_chunk_receiving()
+
+
+_READER_STATE = ("_buffer", "_cursor", "_http_chunk_splits")
+"""The reader state `_TakingReader` keeps right (aiohttp 3.14's; a reader without it gets no
+taker)."""
 
 _TAKERS: dict[aiohttp.StreamReader, Callable[[bytes], bool]] = {}
 """Each taking reader's taker, until its answer is read to the end or closed."""
@@ -162,7 +178,8 @@ class StreamResponse:
         `aiter_bytes` (as is every later one until that buffer is read). False: this
         answer cannot (aiohttp's reader is not the one this was written for)."""
         content = self._resp.content
-        if type(content) is not aiohttp.StreamReader:
+        if type(content) is not aiohttp.StreamReader or not all(
+                hasattr(content, a) for a in _READER_STATE):
             return False
         try:
             content.__class__ = _TakingReader
