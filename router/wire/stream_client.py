@@ -131,14 +131,16 @@ class _TakingReader(aiohttp.StreamReader):
 
     def end_http_chunk_receiving(self) -> None:
         """aiohttp records where each HTTP chunk ends until a read passes it (`_cursor`),
-        and stops reading the connection while more than `_high_water_chunks` (16,384
-        with its 256 KiB read buffer) are recorded: taken chunks were never read, so a
-        stream stalled after its 16,384th token. With nothing buffered every recorded
-        end was taken or read: forgotten."""
-        splits = self._http_chunk_splits
-        if splits and not self._buffer:
-            splits.clear()
-        super().end_http_chunk_receiving()
+        stops reading the connection while more than `_high_water_chunks` (16,384 with
+        its 256 KiB read buffer) are recorded, and wakes the reader at every chunk's end.
+        With nothing buffered every recorded end was taken or read: they are forgotten
+        (taken chunks are never read: a stream stalled after its 16,384th token), and
+        there is nothing to wake the reader for (it woke, found nothing and slept again:
+        a task switch per taken chunk)."""
+        if self._buffer:
+            super().end_http_chunk_receiving()
+        elif self._http_chunk_splits:
+            self._http_chunk_splits.clear()
 
 
 _READER_STATE = ("_buffer", "_cursor", "_http_chunk_splits")
