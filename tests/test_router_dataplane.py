@@ -19,6 +19,7 @@ from kvferry.router.api.admission import Admission, Refused
 from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 from kvferry.router.wire.resume import EventRewriter, Progress
+from kvferry.router.wire.sse_framing import plain_token_ids
 
 
 def test_admission_queue_bounds_and_hands_slots_over() -> None:
@@ -106,25 +107,39 @@ def test_overload_is_refused_with_retry_after_and_recovers() -> None:
         assert again.status_code == 200 and b"[DONE]" in again.content
 
 
-def _event(i: int, *, last: bool = False, role: bool = False) -> bytes:
+def _event(i: int, *, last: bool = False, role: bool = False, nulls: bool = False) -> bytes:
+    """A completions event; `nulls`: as vLLM 0.32 writes them (every event after the first
+    carries `"prompt_token_ids":null`: the serving code sets the field on each)."""
     choice: dict[str, Any] = {"index": 0, "text": f" t{i}", "logprobs": None,
                               "finish_reason": "length" if last else None,
                               "stop_reason": None, "token_ids": [100 + i]}
     if role:
         choice["prompt_token_ids"] = [1, 2, 3]
+    elif nulls:
+        choice["prompt_token_ids"] = None
     obj = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
            "choices": [choice]}
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def test_plain_token_events_are_read_on_their_bytes_with_or_without_null_prompt_ids() -> None:
+    for nulls in (False, True):
+        assert plain_token_ids(_event(3, nulls=nulls)) is not None
+    assert plain_token_ids(_event(0, role=True)) is None  # the prompt's ids: parsed
+    two = _event(3, nulls=True).replace(b'"index":0', b'"prompt_token_ids":[7],"index":0')
+    assert plain_token_ids(two) is None  # a null key does not hide a real one
+
+
 @pytest.mark.parametrize("want_ids", [False, True])
 @pytest.mark.parametrize("split", [False, True])
-def test_rewriter_fast_path_matches_parsed_events(want_ids: bool, split: bool) -> None:
+@pytest.mark.parametrize("nulls", [False, True])
+def test_rewriter_fast_path_matches_parsed_events(want_ids: bool, split: bool, nulls: bool
+                                                  ) -> None:
     """Plain token events (handled on their bytes) come out as the parsing path writes
     them: token ids recorded, nulled unless the client asked, nothing else changed; split
     or merged chunks give the same events."""
-    events = [_event(0, role=True), *(_event(i) for i in range(1, 6)), _event(6, last=True),
-              b"data: [DONE]\n\n"]
+    events = [_event(0, role=True), *(_event(i, nulls=nulls) for i in range(1, 6)),
+              _event(6, last=True, nulls=nulls), b"data: [DONE]\n\n"]
     progress = Progress("completions", want_ids=want_ids)
     rw = EventRewriter(progress)
     raw = b"".join(events)

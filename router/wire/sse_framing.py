@@ -40,6 +40,8 @@ def last_event_end(data: bytes) -> int:
 
 
 _UNFINISHED = b'"finish_reason":null'
+_PROMPT_IDS_KEY = b'"prompt_token_ids":'
+_NO_PROMPT_IDS = b'"prompt_token_ids":null'
 _TOKEN_IDS_KEY = b'"token_ids":'
 _IDS_OPEN = b'"token_ids":['
 _ID_LIST = re.compile(rb"[0-9, ]*")
@@ -47,16 +49,23 @@ _ID_LIST = re.compile(rb"[0-9, ]*")
 
 def plain_token_ids(event: bytes) -> tuple[list[int], int, int] | None:
     """For the common event (one choice's next token, not the last: no error, role, prompt
-    ids or finish reason) its token ids and the (start, end) of its `"token_ids":[...]`;
-    None when the event needs parsing. Safe on bytes: JSON escapes every quote inside a
-    string, so `"token_ids":` can only be a key. `event` may end with its blank line.
+    ids or finish reason; the `"prompt_token_ids":null` vLLM 0.32 writes into every
+    completions event after the first is no prompt ids) its token ids and the (start, end)
+    of its `"token_ids":[...]`; None when the event needs parsing. Safe on bytes: JSON
+    escapes every quote inside a string, so `"token_ids":` can only be a key. `event` may
+    end with its blank line.
 
     On the token path: substring searches only (a regex over the event took most of
     this function's ~2 us), and one id (vLLM's streams send one per event) is read
     with `int` once `isdigit` vouched for it."""
     if (not event.startswith(b"data: {") or _UNFINISHED not in event
-            or b'"error"' in event or b"prompt_token_ids" in event or b'"role"' in event):
+            or b'"error"' in event or b'"role"' in event):
         return None
+    at = event.find(_PROMPT_IDS_KEY)  # vLLM's completions events all carry the key
+    while at >= 0:
+        if not event.startswith(_NO_PROMPT_IDS, at):
+            return None  # the prompt's ids: parsed, recorded
+        at = event.find(_PROMPT_IDS_KEY, at + len(_NO_PROMPT_IDS))
     start = event.find(_TOKEN_IDS_KEY)
     if (start < 0 or not event.startswith(_IDS_OPEN, start)
             or event.find(_TOKEN_IDS_KEY, start + 1) >= 0):
