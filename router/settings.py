@@ -235,9 +235,15 @@ class RouterSettings(BaseModel):
         """Engines found by discovery (url -> addresses); the static lists take precedence."""
         self._discovered = dict(engines)
 
+    @property
+    def _engines(self) -> dict[str, EngineInfo]:
+        """`_discovered`, read from pydantic's private-attribute slot: `self._discovered`
+        goes through the model's `__getattr__` (5 us here, on every request's path)."""
+        return self.__pydantic_private__["_discovered"]  # type: ignore[index]
+
     def _any_discovered(self, role: str, field: str) -> bool:
         """Whether a discovered engine of `role` has an address `field`."""
-        return any(getattr(e, field) for e in self._discovered.values() if e.role == role)
+        return any(getattr(e, field) for e in self._engines.values() if e.role == role)
 
     @property
     def push_available(self) -> bool:
@@ -249,7 +255,7 @@ class RouterSettings(BaseModel):
         try:
             i = self.prefill_urls.index(prefill_url)
         except ValueError:
-            e = self._discovered.get(prefill_url)
+            e = self._engines.get(prefill_url)
             return parse_addr(e.kv_addr) if e is not None and e.kv_addr else None
         if i >= len(self.prefill_kv_addrs):
             return None
@@ -261,7 +267,7 @@ class RouterSettings(BaseModel):
         try:
             eid = self.prefill_engine_ids[self.prefill_urls.index(prefill_url)]
         except (ValueError, IndexError):
-            e = self._discovered.get(prefill_url)
+            e = self._engines.get(prefill_url)
             if e is None or not e.engine_id:
                 return {}
             eid = e.engine_id
@@ -280,7 +286,7 @@ class RouterSettings(BaseModel):
         try:
             return parse_addr(self.decode_control_addrs[self.decode_urls.index(decode_url)])
         except (ValueError, IndexError):
-            e = self._discovered.get(decode_url)
+            e = self._engines.get(decode_url)
             return parse_addr(e.control_addr) if e is not None and e.control_addr else None
 
 
