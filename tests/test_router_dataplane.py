@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 from contextlib import ExitStack
+from functools import partial
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from kvferry.router.api.admission import Admission, Refused
 from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
 from kvferry.router.wire.resume import EventRewriter, Progress
+from kvferry.router.wire.sse_filters import ChainedFilter, EngineFieldFilter
 from kvferry.router.wire.sse_framing import plain_token_ids
 
 
@@ -251,3 +253,44 @@ def test_connect_timeout_still_fires_for_an_engine_that_never_accepts() -> None:
         srv.close()
     assert kind is httpx.ConnectTimeout
     assert 0.25 < took < 3.0
+
+
+def test_plain_token_ids_span_is_the_id_list_in_vllms_shape_and_others() -> None:
+    for event in (_event(4), _event(4, nulls=True),
+                  _event(4).replace(b'"model":"m"', b'"model":"a\\"b"')):  # an escaped quote
+        found = plain_token_ids(event)
+        assert found is not None, event
+        ids, start, end = found
+        assert ids == [104] and event[start:end] == b'"token_ids":[104]'
+    chat = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+            b'"choices":[{"index":0,"delta":{"content":"x"},"logprobs":null,'
+            b'"finish_reason":null,"token_ids":[9]}]}\n\n')
+    assert plain_token_ids(chat) == ([9], chat.index(b'"token_ids"'), chat.index(b"]}]") + 1)
+    assert plain_token_ids(_event(4, last=True)) is None  # finish_reason set: parsed
+
+
+@pytest.mark.parametrize("want_ids", [False, True])
+def test_rewriter_then_engine_field_filter_equals_the_two_in_a_chain(want_ids: bool) -> None:
+    """`EventRewriter(then=EngineFieldFilter)` (the decode leg's filter) skips the second
+    filter for plain token events only: same bytes, params and [DONE] call as chaining
+    them, for events with and without engine fields, whole or split."""
+    with_null = _event(2, nulls=True).replace(b"]}\n\n", b'],"kv_transfer_params":null}\n\n')
+    last = _event(3, last=True).replace(b"]}\n\n", b'],"kv_transfer_params":{"lease":"x"}}\n\n')
+    raw = b"".join([_event(0, role=True), _event(1, nulls=True), with_null, last,
+                    b"data: [DONE]\n\n"])
+    outs = []
+    for fused in (True, False):
+        for split in (None, 29):
+            seen: list = []
+            scrub = EngineFieldFilter(seen.append, partial(seen.append, "done"))
+            p = Progress("completions", want_ids=want_ids)
+            flt = (EventRewriter(p, then=scrub) if fused
+                   else ChainedFilter(EventRewriter(p), scrub))
+            chunks = [raw[i:i + split] for i in range(0, len(raw), split)] if split else \
+                [e + b"\n\n" for e in raw.split(b"\n\n") if e]
+            out = b"".join(flt.feed(c) for c in chunks) + flt.flush()
+            outs.append((out, seen, p.sent))
+    assert all(o == outs[0] for o in outs[1:])
+    out, seen, sent = outs[0]
+    assert b"kv_transfer_params" not in out and seen == [{"lease": "x"}, "done"]
+    assert sent == [100, 101, 102, 103] and out.endswith(b"data: [DONE]\n\n")

@@ -38,7 +38,7 @@ from ..fleet.upstreams import Upstream
 from ..wire import bodies
 from ..wire.resume import EventRewriter, Progress, closing_events, continuation_body, unsupported
 from ..wire.sse import Leg
-from ..wire.sse_filters import ChainedFilter, EngineFieldFilter
+from ..wire.sse_filters import EngineFieldFilter
 from ..wire.stream_client import LegResponse, open_leg
 from .context import FlowContext, json_headers, passive, wire_failed
 from .offer_release import release_soon
@@ -80,8 +80,8 @@ class Migration:
         scrub = EngineFieldFilter(self.on_stream_params, self.on_stream_done)
         if self.why_not:
             return Leg(resp, d.url, scrub, on_close=lambda: self.ctx.decode.release(d))
-        rewriter = self.rewriter = EventRewriter(self.progress, offset)
-        return Leg(resp, d.url, ChainedFilter(rewriter, scrub),
+        rewriter = self.rewriter = EventRewriter(self.progress, offset, then=scrub)
+        return Leg(resp, d.url, rewriter,
                    on_close=lambda: self.ctx.decode.release(d), broken=rewriter.broken,
                    cut=lambda: rewriter.mismatch)
 

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from . import bodies
+from .sse_filters import EngineFieldFilter
 from .sse_framing import event_ends, last_event_end, plain_token_ids
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -126,9 +127,13 @@ class EventRewriter:
     `offset` sent tokens. An error event ends the answer (`broken`): it and everything
     after it are dropped, so another engine can take over."""
 
-    def __init__(self, progress: Progress, offset: int | None = None) -> None:
+    def __init__(self, progress: Progress, offset: int | None = None,
+                 then: EngineFieldFilter | None = None) -> None:
         self.p = progress
         self.offset = offset
+        self.then = then
+        """What the rewritten bytes go through next; skipped for a plain token event it
+        `passes` (one filter's work per token, not two)."""
         self._text_base = progress.text_chars
         self._held = b""
         self.done = False
@@ -163,6 +168,7 @@ class EventRewriter:
         return None if self.done else "ended before [DONE]"
 
     def feed(self, chunk: bytes) -> bytes:
+        then = self.then
         if (not self._held and self.error is None and chunk.endswith(b"\n\n")
                 and chunk.find(b"\n\n") == len(chunk) - 2 and b"\r" not in chunk):
             # One whole event, as vLLM sends them: a plain token is handled with its
@@ -170,16 +176,21 @@ class EventRewriter:
             if self._fast and self.offset is None and not self._spliced and self.p.id is not None:
                 fast = self._plain_token(chunk)
                 if fast is not None:
-                    return fast
-            return self._event(chunk[:-2], b"\n\n")
-        data = self._held + chunk
-        end = last_event_end(data)
-        self._held = data[end:]
-        return self._events(data[:end])
+                    return fast if then is None or then.passes(fast) else then.feed(fast)
+            out = self._event(chunk[:-2], b"\n\n")
+        else:
+            data = self._held + chunk
+            end = last_event_end(data)
+            self._held = data[end:]
+            out = self._events(data[:end])
+        return out if then is None else then.feed(out)
 
     def flush(self) -> bytes:
         out, self._held = self._held, b""
-        return self._events(out)
+        out = self._events(out)
+        if self.then is None:
+            return out
+        return self.then.feed(out) + self.then.flush() if out else self.then.flush()
 
     def _events(self, data: bytes) -> bytes:
         if not data or self.error is not None:

@@ -47,6 +47,16 @@ _IDS_OPEN = b'"token_ids":['
 _ID_LIST = re.compile(rb"[0-9, ]*")
 
 
+_VLLM_TOKEN = re.compile(
+    rb'data: \{"id":"[^"\\]*","object":"text_completion","created":\d+,"model":"[^"\\]*",'
+    rb'"choices":\[\{"index":\d+,"text":"(?:[^"\\]|\\.)*","logprobs":null,'
+    rb'"finish_reason":null,"stop_reason":null,(?:"prompt_token_ids":null,)?'
+    rb'("token_ids":\[(\d+)\])\}\](?:,"usage":null)?\}(?:\n\n)?')
+"""A vLLM completions token event, whole (vLLM 0.32's field order, `CompletionStream-
+Response`): one match vouches for everything `plain_token_ids` checks, in a third of the
+time of its searches. Any other shape takes those searches."""
+
+
 def plain_token_ids(event: bytes) -> tuple[list[int], int, int] | None:
     """For the common event (one choice's next token, not the last: no error, role, prompt
     ids or finish reason; the `"prompt_token_ids":null` vLLM 0.32 writes into every
@@ -58,6 +68,8 @@ def plain_token_ids(event: bytes) -> tuple[list[int], int, int] | None:
     On the token path: substring searches only (a regex over the event took most of
     this function's ~2 us), and one id (vLLM's streams send one per event) is read
     with `int` once `isdigit` vouched for it."""
+    if (m := _VLLM_TOKEN.fullmatch(event)) is not None:
+        return [int(m[2])], m.start(1), m.end(1)
     if (not event.startswith(b"data: {") or _UNFINISHED not in event
             or b'"error"' in event or b'"role"' in event):
         return None
