@@ -19,7 +19,8 @@ from helpers_http import FakeEngine, serve
 from kvferry.router.api.admission import Admission, Refused
 from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
-from kvferry.router.wire.resume import EventRewriter, Progress
+from kvferry.router.wire.resume import EventRewriter
+from kvferry.router.wire.resume_request import Progress
 from kvferry.router.wire.sse_filters import ChainedFilter, EngineFieldFilter
 from kvferry.router.wire.sse_framing import plain_token_ids
 

@@ -1,4 +1,4 @@
-"""Mid-stream migration (router/legs/migrate.py, router/wire/resume.py) over real HTTP with fake
+"""Mid-stream migration (router/legs/migrate.py, router/wire/resume*.py) over real HTTP with fake
 engines: a D that dies (connection cut mid-body), sends an error event or ends early, and
 a stream that must go on, token for token, on another pair.
 
@@ -27,7 +27,7 @@ from helpers_http import serve
 
 from kvferry.router.api.app import create_app
 from kvferry.router.settings import RouterSettings
-from kvferry.router.wire import resume
+from kvferry.router.wire import resume, resume_request
 from kvferry.router.wire.bodies import CHAT, COMPLETIONS
 
 PROMPT = [11, 12, 13, 14, 15, 16]
@@ -378,9 +378,9 @@ def test_migrated_turn_commits_on_the_new_decoder(fleet) -> None:
 # -- the pure part -----------------------------------------------------------------------
 def test_unsupported_reasons() -> None:
     ok = {"stream": True, "prompt": PROMPT}
-    assert resume.unsupported(COMPLETIONS, ok) is None
-    assert resume.unsupported(COMPLETIONS, {**ok, "prompt": "text"}) is None
-    assert resume.unsupported(CHAT, {"stream": True, "messages": []}) is None
+    assert resume_request.unsupported(COMPLETIONS, ok) is None
+    assert resume_request.unsupported(COMPLETIONS, {**ok, "prompt": "text"}) is None
+    assert resume_request.unsupported(CHAT, {"stream": True, "messages": []}) is None
     cases = [(COMPLETIONS, {**ok, "stream": False}, "not a stream"),
              (COMPLETIONS, {**ok, "prompt": [PROMPT, PROMPT]}, "several prompts"),
              (COMPLETIONS, {**ok, "best_of": 3}, "best_of > 1"),
@@ -389,20 +389,20 @@ def test_unsupported_reasons() -> None:
              (CHAT, {"stream": True, "tools": [{}]}, "tools"),
              (CHAT, {"stream": True, "logprobs": True}, "chat logprobs")]
     for endpoint, body, why in cases:
-        assert resume.unsupported(endpoint, body) == why
+        assert resume_request.unsupported(endpoint, body) == why
 
 
 def test_continuation_bodies() -> None:
-    p = resume.Progress(COMPLETIONS, want_ids=False, prompt_ids=[1, 2], sent=[3, 4, 5])
+    p = resume_request.Progress(COMPLETIONS, want_ids=False, prompt_ids=[1, 2], sent=[3, 4, 5])
     body = {"prompt": "ab", "stream": True, "temperature": 0, "logprobs": 2, "echo": False,
             "prompt_logprobs": 1, "min_tokens": 2}
-    cont = resume.continuation_body(p, body)
+    cont = resume_request.continuation_body(p, body)
     assert cont == {"prompt": [1, 2, 3, 4, 5], "stream": True, "temperature": 0,
                     "logprobs": 2, "max_tokens": 16 - 3, "return_token_ids": True}
-    assert resume.continuation_body(p, {**body, "max_tokens": None})["max_tokens"] is None
-    assert resume.continuation_body(p, {**body, "max_tokens": 3}) is None  # nothing left
-    chat = resume.Progress(CHAT, want_ids=True, prompt_ids=[9], sent=[8])
-    cont = resume.continuation_body(chat, {"messages": [{"role": "user", "content": "x"}],
+    assert resume_request.continuation_body(p, {**body, "max_tokens": None})["max_tokens"] is None
+    assert resume_request.continuation_body(p, {**body, "max_tokens": 3}) is None  # nothing left
+    chat = resume_request.Progress(CHAT, want_ids=True, prompt_ids=[9], sent=[8])
+    cont = resume_request.continuation_body(chat, {"messages": [{"role": "user", "content": "x"}],
                                            "max_completion_tokens": 5, "max_tokens": 50,
                                            "seed": 3, "tools": None, "model": "m"})
     assert cont == {"model": "m", "seed": 3, "max_tokens": 4, "prompt": [9, 8],
@@ -410,7 +410,7 @@ def test_continuation_bodies() -> None:
 
 
 def test_rewriter_holds_partial_events_and_shifts_offsets() -> None:
-    p = resume.Progress(COMPLETIONS, want_ids=False)
+    p = resume_request.Progress(COMPLETIONS, want_ids=False)
     first = resume.EventRewriter(p)
     ev = (b'data: {"id":"a","created":1,"choices":[{"index":0,"text":"ab","token_ids":[5],'
           b'"prompt_token_ids":[1,2]}]}\n\n')

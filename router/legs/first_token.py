@@ -12,7 +12,7 @@ ended, and the stream goes on from prompt + P's token on a pull pair (migrate.py
 client never gets a token that does not follow the ones before it.
 
 Both legs must report token ids (`return_token_ids`), so only streams migration could
-continue are spliced (`resume.unsupported`: no tools, stop strings, n > 1, ...). Chat
+continue are spliced (`resume_request.unsupported`: no tools, stop strings, n > 1, ...). Chat
 only with `first_token_chat`: the router cannot see whether the engines run a reasoning
 parser, which may render one token differently in P's whole answer and in D's stream.
 """

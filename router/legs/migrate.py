@@ -4,13 +4,13 @@ it on another engine pair so the client sees one uninterrupted stream.
 A break is D's connection failing, D's in-band error event, or its answer ending before
 `[DONE]`. The policy, per break (at most `max_migrations` new pairs per stream):
 
-- The request cannot be continued token-exactly (`resume.unsupported`: n > 1, tools,
+- The request cannot be continued token-exactly (`resume_request.unsupported`: n > 1, tools,
   structured output, stop strings, ...): the client gets an SSE error event and [DONE].
 - D had finished (its last chunk passed) but the stream had not: the router ends it.
 - Nothing reached the client yet: the original request goes to a fresh pair.
 - D's token 1 was not P's, which the client already has (push, first_token.py): the
   stream moves on as below, the same D allowed (it is not broken).
-- Else a pull prefill of prompt + the tokens sent (`resume.continuation_body`) on the
+- Else a pull prefill of prompt + the tokens sent (`resume_request.continuation_body`) on the
   least-loaded P (retried on another P, `prefill.py`), then that P's KV to the least-loaded D not
   yet failed in this stream. A D that refuses is skipped; no D or P left: an SSE error
   event saying so, then [DONE].
@@ -36,7 +36,8 @@ import httpx
 from ..errors import RouterError, from_transport
 from ..fleet.upstreams import Upstream
 from ..wire import bodies
-from ..wire.resume import EventRewriter, Progress, closing_events, continuation_body, unsupported
+from ..wire.resume import EventRewriter
+from ..wire.resume_request import Progress, closing_events, continuation_body, unsupported
 from ..wire.sse import Leg
 from ..wire.sse_filters import EngineFieldFilter
 from ..wire.stream_client import LegResponse, open_leg

@@ -21,6 +21,8 @@ from typing import Any
 import aiohttp
 import httpx
 
+from .connect_deadline import ConnectDeadline
+
 
 def _as_httpx(exc: BaseException) -> httpx.HTTPError:
     """The httpx exception `errors.from_transport` maps like this aiohttp failure."""
@@ -51,65 +53,8 @@ def _buffered(content: aiohttp.StreamReader) -> bytes:
 
 
 async def _connected(_session: Any, ctx: Any, _params: Any) -> None:
-    if ctx.trace_request_ctx is not None:  # the request's `_ConnectDeadline`, if it has one
+    if ctx.trace_request_ctx is not None:  # the request's `ConnectDeadline`, if it has one
         ctx.trace_request_ctx.set()
-
-
-class _ConnectDeadline:
-    """Cancels the task sending a request once `limit_s` of time the router could act in
-    has passed without a connection (made, or taken from the pool: `set`).
-
-    Waits are sliced, and a slice the loop woke from late (it was busy, or the process got
-    no CPU) does not count; at the end the loop is let poll I/O twice (two `call_soon`
-    hops: each runs after the next poll), and a connection found made there counts as in
-    time. Loop timers only, no task or future of its own: it is armed for every leg."""
-
-    __slots__ = ("_loop", "_task", "_budget", "_step", "_t0", "_handle", "_done", "fired")
-
-    def __init__(self, limit_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._budget = limit_s
-        self._done = False
-        self.fired = False
-        self._handle: asyncio.TimerHandle | asyncio.Handle | None = None
-        self._slice()
-
-    def _slice(self) -> None:
-        self._step = min(self._budget, CONNECT_SLICE_S)
-        self._t0 = self._loop.time()
-        self._handle = self._loop.call_later(self._step, self._tick)
-
-    def _tick(self) -> None:
-        if self._done:
-            return
-        elapsed = self._loop.time() - self._t0
-        if elapsed <= self._step + LATE_S:  # on time: the router could have acted
-            self._budget -= elapsed
-        if self._budget > 0:
-            self._slice()
-        else:
-            self._handle = self._loop.call_soon(self._hop)
-
-    def _hop(self) -> None:
-        if not self._done:
-            self._handle = self._loop.call_soon(self._fire)
-
-    def _fire(self) -> None:
-        if not self._done and self._task is not None:
-            self.fired = True
-            self._done = True
-            self._task.cancel()
-
-    def set(self) -> None:
-        """The request has its connection (aiohttp's trace hook): no timeout any more."""
-        self.stop()
-
-    def stop(self) -> None:
-        self._done = True
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
 
 
 class _TakingReader(aiohttp.StreamReader):
@@ -153,11 +98,6 @@ _TAKERS: dict[aiohttp.StreamReader, Callable[[bytes], bool]] = {}
 
 class Interrupt(Exception):  # noqa: N818 - a signal, not an error
     """Raised by `aiter_bytes` once the taker asked to stop reading (`StreamResponse.stop`)."""
-
-
-CONNECT_SLICE_S = 0.05
-LATE_S = 0.02
-"""A wait that ends more than this after its slice: the loop was late, not the engine."""
 
 
 class StreamResponse:
@@ -325,10 +265,10 @@ class StreamClient:
         (or a process that got no CPU) past the deadline runs its expired timers before
         it polls the socket that connected long ago, so aiohttp's timer would fail a leg
         whose engine answered at once. Here a timeout is declared only after the loop
-        has polled I/O past the deadline (`_ConnectDeadline`)."""
+        has polled I/O past the deadline (`ConnectDeadline`)."""
         t = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None,
                                   sock_read=timeout.read)
-        deadline = _ConnectDeadline(timeout.connect) if timeout.connect is not None else None
+        deadline = ConnectDeadline(timeout.connect) if timeout.connect is not None else None
         try:
             resp = await self.session.post(
                 url, data=content, headers=dict(headers), timeout=t, allow_redirects=False,
