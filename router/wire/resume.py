@@ -18,7 +18,7 @@ import msgspec
 from . import bodies
 from .resume_request import Progress
 from .sse_filters import EngineFieldFilter
-from .sse_framing import event_ends, last_event_end, plain_token_ids
+from .sse_framing import TokenShape, event_ends, last_event_end, plain_token_ids
 
 _DONE = b"data: [DONE]"
 
@@ -49,6 +49,9 @@ class EventRewriter:
         self._fast = True
         """Plain token events may skip parsing (`_plain_token`); off once an event carries
         logprobs, whose text offsets need every event's text counted."""
+        self._shape: TokenShape | None = None
+        """This stream's plain token events, once one was seen whole (`feed`); dropped by
+        anything that ends the plain path (`splice`, an error event)."""
 
     def splice(self, token_id: int, text: str,
                on_result: Callable[[bool], None] | None = None) -> None:
@@ -60,6 +63,7 @@ class EventRewriter:
         called once with whether D's token 1 matched."""
         self._skip = (token_id, text)
         self._spliced = True
+        self._shape = None
         self._on_splice = on_result
 
     def broken(self) -> str | None:
@@ -71,13 +75,22 @@ class EventRewriter:
         return None if self.done else "ended before [DONE]"
 
     def feed(self, chunk: bytes) -> bytes:
+        shape = self._shape
+        if shape is not None and not self._held and (hit := shape.match(chunk)) is not None:
+            # The token path: an event shaped as one `then` passed (it holds nothing:
+            # it is fed whole events only).
+            token, start, end = hit
+            p = self.p
+            p.sent.append(token)
+            p.events += 1
+            return chunk if p.want_ids else chunk[:start] + b'"token_ids":null' + chunk[end:]
         then = self.then
         if (not self._held and self.error is None and chunk.endswith(b"\n\n")
                 and chunk.find(b"\n\n") == len(chunk) - 2 and b"\r" not in chunk):
             # One whole event, as vLLM sends them: a plain token is handled with its
             # blank line (no slicing it off and adding it back).
             if self._fast and self.offset is None and not self._spliced and self.p.id is not None:
-                fast = self._plain_token(chunk)
+                fast = self._plain_token(chunk, learn=True)
                 if fast is not None:
                     return fast if then is None or then.passes(fast) else then.feed(fast)
             out = self._event(chunk[:-2], b"\n\n")
@@ -128,6 +141,7 @@ class EventRewriter:
         if "error" in obj or obj.get("object") == "error":
             err = obj.get("error", obj)
             self.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
+            self._shape = None
             return b""
         changed = False
         if self._spliced and self.offset is None:
@@ -140,13 +154,17 @@ class EventRewriter:
         self.p.events += 1
         return (b"data: " + msgspec.json.encode(obj) if changed else event) + sep
 
-    def _plain_token(self, event: bytes) -> bytes | None:
+    def _plain_token(self, event: bytes, learn: bool = False) -> bytes | None:
         """A plain token event handled on its bytes (`plain_token_ids`): its ids recorded
-        and, unless the client asked for them, nulled; None when it needs parsing."""
+        and, unless the client asked for them, nulled; None when it needs parsing.
+        `learn`: `event` is one whole event, whose shape the next ones may match."""
         found = plain_token_ids(event)
         if found is None:
             return None
         ids, start, end = found
+        if (learn and self._shape is None and len(ids) == 1
+                and (self.then is None or self.then.passes(event))):
+            self._shape = TokenShape.of(event, (start, end))
         self.p.sent.extend(ids)
         self.p.events += 1
         return event if self.p.want_ids else event[:start] + b'"token_ids":null' + event[end:]
@@ -167,6 +185,7 @@ class EventRewriter:
                 p.text_chars += len(text)
             if choice.get("logprobs") is not None:
                 self._fast = False
+                self._shape = None
             if choice.get("finish_reason") is not None:
                 p.finished = True
         return changed
