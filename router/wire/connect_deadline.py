@@ -62,7 +62,7 @@ class ConnectDeadline:
             self._task.cancel()
 
     def set(self) -> None:
-        """The request has its connection (aiohttp's trace hook): no timeout any more."""
+        """The request has its connection (stream_client's connector): no timeout any more."""
         self.stop()
 
     def stop(self) -> None:

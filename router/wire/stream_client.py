@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
@@ -52,9 +53,22 @@ def _buffered(content: aiohttp.StreamReader) -> bytes:
     return data
 
 
-async def _connected(_session: Any, ctx: Any, _params: Any) -> None:
-    if ctx.trace_request_ctx is not None:  # the request's `ConnectDeadline`, if it has one
-        ctx.trace_request_ctx.set()
+_DEADLINE: ContextVar[ConnectDeadline | None] = ContextVar("kvferry_connect_deadline",
+                                                          default=None)
+"""The `ConnectDeadline` of the request the current task is sending (`StreamClient.post`)."""
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, telling the request's `ConnectDeadline` that it has its
+    connection (made, or taken from the pool). aiohttp's trace hooks could tell it too, but
+    a session with a trace config sends every request's ~8 trace signals (an object and an
+    await each) to learn this one."""
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        conn = await super().connect(req, traces, timeout)
+        if (deadline := _DEADLINE.get()) is not None:
+            deadline.set()
+        return conn
 
 
 class _TakingReader(aiohttp.StreamReader):
@@ -245,16 +259,11 @@ class StreamClient:
     """One aiohttp session per router app (made inside its event loop)."""
 
     def __init__(self, max_connections: int, keepalive_s: float) -> None:
-        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0,
-                                         keepalive_timeout=keepalive_s,
-                                         enable_cleanup_closed=False)
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_end.append(_connected)
-        trace.on_connection_reuseconn.append(_connected)
+        connector = _Connector(limit=max_connections, limit_per_host=0,
+                               keepalive_timeout=keepalive_s, enable_cleanup_closed=False)
         # trust_env=False: proxy variables must never divert engine traffic.
         self.session = aiohttp.ClientSession(connector=connector, trust_env=False,
-                                             skip_auto_headers=("User-Agent",),
-                                             trace_configs=[trace])
+                                             skip_auto_headers=("User-Agent",))
         self.watchdog = Watchdog()
 
     async def post(self, url: str, content: bytes, headers: Mapping[str, str],
@@ -269,10 +278,10 @@ class StreamClient:
         t = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None,
                                   sock_read=timeout.read)
         deadline = ConnectDeadline(timeout.connect) if timeout.connect is not None else None
+        armed = _DEADLINE.set(deadline)
         try:
             resp = await self.session.post(
-                url, data=content, headers=dict(headers), timeout=t, allow_redirects=False,
-                trace_request_ctx=deadline)
+                url, data=content, headers=dict(headers), timeout=t, allow_redirects=False)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if deadline is not None and deadline.fired and task is not None \
@@ -283,6 +292,7 @@ class StreamClient:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _as_httpx(exc) from exc
         finally:
+            _DEADLINE.reset(armed)
             if deadline is not None:
                 deadline.stop()
         if deadline is not None and deadline.fired and (task := asyncio.current_task()):
