@@ -14,6 +14,7 @@ each wait for bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextvars import ContextVar
@@ -21,6 +22,8 @@ from typing import Any
 
 import aiohttp
 import httpx
+import msgspec
+import yarl
 
 from .connect_deadline import ConnectDeadline
 
@@ -51,6 +54,18 @@ def _buffered(content: aiohttp.StreamReader) -> bytes:
     buf.clear()
     content._buffer_offset = 0  # type: ignore[attr-defined]
     return data
+
+
+@functools.lru_cache(maxsize=256)
+def _url(url: str) -> yarl.URL:
+    """An engine URL, parsed once (aiohttp parses a str on every request)."""
+    return yarl.URL(url)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_timeout(read_s: float | None) -> aiohttp.ClientTimeout:
+    """aiohttp's timeout bounding each wait for bytes only (connects: `ConnectDeadline`)."""
+    return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None, sock_read=read_s)
 
 
 _DEADLINE: ContextVar[ConnectDeadline | None] = ContextVar("kvferry_connect_deadline",
@@ -277,13 +292,12 @@ class StreamClient:
         it polls the socket that connected long ago, so aiohttp's timer would fail a leg
         whose engine answered at once. Here a timeout is declared only after the loop
         has polled I/O past the deadline (`ConnectDeadline`)."""
-        t = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None,
-                                  sock_read=timeout.read)
+        t = _read_timeout(timeout.read)
         deadline = ConnectDeadline(timeout.connect) if timeout.connect is not None else None
         armed = _DEADLINE.set(deadline)
         try:
             resp = await self.session.post(
-                url, data=content, headers={**headers, "User-Agent": USER_AGENT}, timeout=t,
+                _url(url), data=content, headers={**headers, "User-Agent": USER_AGENT}, timeout=t,
                 allow_redirects=False)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -329,7 +343,13 @@ class Answer:
         return self.content.decode(errors="replace")
 
     def json(self) -> Any:
-        return json.loads(self.content)
+        """The body as JSON: msgspec (a 24k-token prompt's ids parse in a fraction of the
+        stdlib's time); malformed JSON raises `json.JSONDecodeError`, as httpx's does."""
+        try:
+            return msgspec.json.decode(self.content)
+        except msgspec.DecodeError as exc:
+            raise json.JSONDecodeError(str(exc), self.content.decode(errors="replace"), 0
+                                       ) from None
 
 
 async def fetch(streams: StreamClient | None, client: httpx.AsyncClient, url: str,
