@@ -37,7 +37,6 @@ fails or is refused after P answered tells P to free its offer now (`offer_relea
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -128,7 +127,7 @@ async def _serve(ctx: FlowContext, req: RouterRequest) -> Response:
         return passthrough(p_resp, resp_headers)
     try:
         p_json: Any = p_resp.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ValueError:  # malformed JSON, bad UTF-8 (both ValueErrors)
         p_json = None
     kv_params = bodies.extract_kv_params(p_json)
     if kv_params is None:

@@ -25,7 +25,6 @@ sent: distributed as the rest of an uninterrupted run would be, but not the same
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -159,7 +158,7 @@ class Migration:
                                f"{p_resp.text[:300]}", "upstream_error", "prefill", "migrate")
         try:
             kv = bodies.extract_kv_params(p_resp.json()) or {}
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except ValueError:  # malformed JSON, bad UTF-8 (both ValueErrors)
             kv = {}
         offer = kv
         if self.turn is not None:  # a fresh lease: whatever the broken D granted is stale

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
 import httpx
-import msgspec
 import yarl
 
+from . import bodies
 from .connect_deadline import ConnectDeadline
 
 
@@ -343,13 +342,9 @@ class Answer:
         return self.content.decode(errors="replace")
 
     def json(self) -> Any:
-        """The body as JSON: msgspec (a 24k-token prompt's ids parse in a fraction of the
-        stdlib's time); malformed JSON raises `json.JSONDecodeError`, as httpx's does."""
-        try:
-            return msgspec.json.decode(self.content)
-        except msgspec.DecodeError as exc:
-            raise json.JSONDecodeError(str(exc), self.content.decode(errors="replace"), 0
-                                       ) from None
+        """The body as JSON (`bodies.decode`: msgspec, a 24k-id answer in a third of the
+        stdlib's time); malformed JSON raises ValueError, as httpx's `json()` does."""
+        return bodies.decode(self.content)
 
 
 async def fetch(streams: StreamClient | None, client: httpx.AsyncClient, url: str,
