@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import httpx
 import yarl
+from aiohttp.client_proto import ResponseHandler
 
 from . import bodies
 from .connect_deadline import ConnectDeadline
@@ -72,11 +73,42 @@ _DEADLINE: ContextVar[ConnectDeadline | None] = ContextVar("kvferry_connect_dead
 """The `ConnectDeadline` of the request the current task is sending (`StreamClient.post`)."""
 
 
+class _Handler(ResponseHandler):
+    """aiohttp's connection protocol, handing a taken answer's HTTP chunk to its taker
+    straight from the socket when one read holds exactly one whole chunk (vLLM writes an
+    event per chunk): no parser, reader or chunk bookkeeping on the token path. Anything
+    else (part of a chunk, several, the last, an extension) goes through aiohttp's parser,
+    and so does every read while that parser is not between two chunks.
+
+    `boundary` says it is: `_TakingReader` clears it when the parser starts a chunk and
+    sets it when it ends one, and a read that does not end in CRLF clears it (a size line
+    cut short fires no hook, and only a whole one ends in CRLF)."""
+
+    boundary = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.boundary and (resp := _TAKERS.get(self._payload)) is not None \
+                and resp.frame(data):
+            return
+        self.boundary = False
+        super().data_received(data)
+        if self.boundary and not data.endswith(b"\r\n"):
+            self.boundary = False
+
+
+_HEX = b"0123456789abcdefABCDEF"
+
+
 class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, telling the request's `ConnectDeadline` that it has its
-    connection (made, or taken from the pool). aiohttp's trace hooks could tell it too, but
-    a session with a trace config sends every request's ~8 trace signals (an object and an
-    await each) to learn this one."""
+    """aiohttp's connector, making `_Handler` connections and telling the request's
+    `ConnectDeadline` that it has its connection (made, or taken from the pool). aiohttp's
+    trace hooks could tell it too, but a session with a trace config sends every request's
+    ~8 trace signals (an object and an await each) to learn this one."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if getattr(self, "_factory", None) is not None:  # aiohttp 3.14's protocol factory
+            self._factory = functools.partial(_Handler, loop=self._loop)
 
     async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
         conn = await super().connect(req, traces, timeout)
@@ -95,8 +127,8 @@ class _TakingReader(aiohttp.StreamReader):
     __slots__ = ()
 
     def feed_data(self, data: bytes, size: int = 0) -> bool:
-        take = _TAKERS.get(self)
-        if take is not None and data and not self._buffer and take(data):
+        resp = _TAKERS.get(self)
+        if resp is not None and data and not self._buffer and resp.taker(data):
             self.total_bytes += len(data)
             self._cursor += len(data)  # read, as far as aiohttp's chunk bookkeeping goes
             return False
@@ -114,14 +146,23 @@ class _TakingReader(aiohttp.StreamReader):
             super().end_http_chunk_receiving()
         elif self._http_chunk_splits:
             self._http_chunk_splits.clear()
+        self._protocol.boundary = True
+
+    def begin_http_chunk_receiving(self) -> None:
+        self._protocol.boundary = False
+        super().begin_http_chunk_receiving()
 
 
 _READER_STATE = ("_buffer", "_cursor", "_http_chunk_splits")
 """The reader state `_TakingReader` keeps right (aiohttp 3.14's; a reader without it gets no
 taker)."""
 
-_TAKERS: dict[aiohttp.StreamReader, Callable[[bytes], bool]] = {}
-"""Each taking reader's taker, until its answer is read to the end or closed."""
+_TAKERS: dict[aiohttp.StreamReader | None, StreamResponse] = {}
+"""Each taking reader's answer (its `taker`), until it is read to the end or closed."""
+
+
+def _never(data: bytes) -> bool:
+    return False
 
 
 class Interrupt(Exception):  # noqa: N818 - a signal, not an error
@@ -141,6 +182,24 @@ class StreamResponse:
         self.seen = -1  # body bytes when the watchdog last saw them grow
         self.since = 0.0  # loop time it saw that
         self.timed_out = False
+        self.taker: Callable[[bytes], bool] = _never
+        self.frames = 0
+        """Chunks the taker took straight from the socket (`_Handler`)."""
+
+    def frame(self, data: bytes) -> bool:
+        """`data` is one whole HTTP chunk (size line, body, CRLF) and the taker took its
+        body; else False, and `data` goes through aiohttp's parser."""
+        i = data.find(b"\r\n", 0, 10)
+        if i <= 0 or data[:i].strip(_HEX) or data[-2:] != b"\r\n":
+            return False
+        n = int(data[:i], 16)
+        content = self._resp.content
+        if n == 0 or len(data) != i + n + 4 or content._buffer or not self.taker(
+                data[i + 2:-2]):
+            return False
+        content.total_bytes += n  # the watchdog's measure of progress
+        self.frames += 1
+        return True
 
     def take(self, taker: Callable[[bytes], bool]) -> bool:
         """Offer each chunk to `taker` as it arrives, in the connection's callback: it
@@ -155,7 +214,11 @@ class StreamResponse:
             content.__class__ = _TakingReader
         except TypeError:  # another aiohttp whose reader's layout differs: no taker
             return False
-        _TAKERS[content] = taker
+        self.taker = taker
+        proto = self._resp.connection.protocol if self._resp.connection else None
+        if isinstance(proto, _Handler):
+            proto.boundary = False  # until aiohttp's parser ends a chunk
+        _TAKERS[content] = self
         return True
 
     def untake(self) -> None:
