@@ -233,7 +233,7 @@ def test_a_leg_cut_on_the_direct_path_stops_reading_it_there() -> None:
 
 def test_a_filter_that_raises_on_the_direct_path_raises_in_the_stream_task() -> None:
     """What a filter raises in the connection's callback is raised where the pump task
-    would have raised it: the stream's handler, not aiohttp's parser (which would call it
+    would have raised it: the stream's handler, not the HTTP parser (which would call it
     D's broken body)."""
     seen: dict[str, Any] = {}
     flt = Counting(raise_at=4)

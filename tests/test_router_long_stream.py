@@ -1,7 +1,8 @@
-"""Long streams through the decode leg's reader (router/wire/stream_client.py): chunks a
-taker handles are never read through aiohttp's reader, whose bookkeeping of HTTP chunk
-ends stopped reading the connection after 16,384 of them (a 16k-token answer stalled until
-the read timeout). A raw chunked HTTP server sends more than that at once."""
+"""Long streams through the decode leg's reader (router/wire/stream_client.py): a taker
+handles tens of thousands of chunks, and a reader reads them after it declines, without a
+stall (aiohttp's reader, used before, stopped reading the connection after 16,384 recorded
+chunk ends: a 16k-token answer stalled until the read timeout). A raw chunked HTTP server
+sends more than that at once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from kvferry.router.wire.stream_client import StreamClient
 
-N = 40_000  # chunks: well past aiohttp 3.14's 16,384 recorded chunk ends
+N = 40_000  # chunks: well past aiohttp 3.14's 16,384 recorded chunk ends (the old bound)
 
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

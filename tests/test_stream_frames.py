@@ -1,5 +1,5 @@
-"""The decode leg's socket fast path (router/wire/stream_client.py `_Handler`): a read that
-holds exactly one whole HTTP chunk goes to the taker without aiohttp's parser; every other
+"""The decode leg's socket fast path (router/wire/stream_client.py `_Conn`): a read that
+holds exactly one whole HTTP chunk goes to the taker without the HTTP parser; every other
 read goes through the parser. Whatever way TCP cuts the body (size lines cut short, several
 chunks in one read, chunk extensions, bodies holding CRLF), the taker gets the body's bytes
 in order, each once, and the watchdog's byte count sees all of them."""
@@ -69,7 +69,7 @@ async def _run(writes: list[bytes], pause_s: float, decline_every: int = 0
         assert resp.take(take)
         async for chunk in resp.aiter_bytes():
             got.append(chunk)
-        total = resp._resp.content.total_bytes
+        total = resp.total_bytes
         await resp.aclose()
     finally:
         await client.close()

@@ -45,7 +45,7 @@ class FlowContext:
     conversations: Conversations | None = None
     turn_policy: tuple[PolicyConfig, LocalBudget] | None = None  # d_local.policy_of, made on first use
     kv_index: PrefixIndex | None = None  # of the prefill engines, with KV events
-    streams: StreamClient | None = None  # decode legs (aiohttp); None: through `client`
+    streams: StreamClient | None = None  # P and D legs; None: through `client`
     secret: bytes | None = None  # the deployment secret: signs messages to the engines
     limits: LimitsWatch | None = None  # the engines' max_model_len and version
 

@@ -1,296 +1,338 @@
-"""The decode leg's HTTP client: aiohttp, whose C parser reads D's streamed answer for a
-fraction of httpx's per-chunk cost (httpx + httpcore + h11 + anyio were about half the
-router's CPU per streamed chunk).
+"""The P and D legs' HTTP/1.1 client: one small asyncio protocol per engine connection,
+parsed by httptools (llhttp, the C parser the router's server already uses), pooled per
+engine with keep-alive.
+
+A leg is one POST to an engine the router knows, answered by JSON (P) or a chunked SSE
+stream (D). General clients cost more than that needs: httpx (+ httpcore, h11, anyio)
+was about half the router's CPU per streamed chunk, and aiohttp, which replaced it, still
+spent about a third of the router's CPU per request on its request and response objects,
+payload registry, timers and reader bookkeeping, and a layer of Python per chunk.
 
 Its answers look like the `httpx.Response` the rest of the router knows (`status_code`,
 `headers`, `aiter_bytes`, `aread`, `aclose`) and its failures are raised as the httpx
 exceptions `errors.from_transport` maps, so a refused connection still means "never sent"
 (another D may take the leg) and a dropped one "broke". Timeouts count from when the
-router could act: `connect` bounds the TCP connect only, never a wait for a free pooled
-connection (admission, router/api/admission.py, bounds how many legs are open), and `read`
-each wait for bytes.
+router could act: `connect` bounds the TCP connect only (`ConnectDeadline`), never a wait
+for a free connection (there is none: admission, router/api/admission.py, bounds how many
+legs are open), and `read` each wait for bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import ssl
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextvars import ContextVar
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 import httpx
-import yarl
-from aiohttp.client_proto import ResponseHandler
 
 from . import bodies
 from .connect_deadline import ConnectDeadline
 
-
-def _as_httpx(exc: BaseException) -> httpx.HTTPError:
-    """The httpx exception `errors.from_transport` maps like this aiohttp failure."""
-    msg = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return httpx.ConnectTimeout(msg)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return httpx.ConnectError(msg)
-    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
-        return httpx.ReadTimeout(msg)
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return httpx.RemoteProtocolError(msg)
-    return httpx.ReadError(msg)
-
-
-def _buffered(content: aiohttp.StreamReader) -> bytes:
-    """Bytes D sent before its connection broke that aiohttp has not handed out yet: its
-    `readany` raises a broken body's error before returning them (it checks the error
-    first), yet they are D's tokens, the client's stream and migration's count need them.
-    aiohttp has no public call for them (its buffer, as of 3.14)."""
-    buf = getattr(content, "_buffer", None)
-    if not buf:
-        return b""
-    data = b"".join(buf)[getattr(content, "_buffer_offset", 0):]
-    buf.clear()
-    content._buffer_offset = 0  # type: ignore[attr-defined]
-    return data
-
-
-@functools.lru_cache(maxsize=256)
-def _url(url: str) -> yarl.URL:
-    """An engine URL, parsed once (aiohttp parses a str on every request)."""
-    return yarl.URL(url)
-
-
-@functools.lru_cache(maxsize=64)
-def _read_timeout(read_s: float | None) -> aiohttp.ClientTimeout:
-    """aiohttp's timeout bounding each wait for bytes only (connects: `ConnectDeadline`)."""
-    return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None, sock_read=read_s)
-
-
-_DEADLINE: ContextVar[ConnectDeadline | None] = ContextVar("kvferry_connect_deadline",
-                                                          default=None)
-"""The `ConnectDeadline` of the request the current task is sending (`StreamClient.post`)."""
-
-
-class _Handler(ResponseHandler):
-    """aiohttp's connection protocol, handing a taken answer's HTTP chunk to its taker
-    straight from the socket when one read holds exactly one whole chunk (vLLM writes an
-    event per chunk): no parser, reader or chunk bookkeeping on the token path. Anything
-    else (part of a chunk, several, the last, an extension) goes through aiohttp's parser,
-    and so does every read while that parser is not between two chunks.
-
-    `boundary` says it is: `_TakingReader` clears it when the parser starts a chunk and
-    sets it when it ends one, and a read that does not end in CRLF clears it (a size line
-    cut short fires no hook, and only a whole one ends in CRLF)."""
-
-    boundary = False
-
-    def data_received(self, data: bytes) -> None:
-        if self.boundary and (resp := _TAKERS.get(self._payload)) is not None \
-                and resp.frame(data):
-            return
-        self.boundary = False
-        super().data_received(data)
-        if self.boundary and not data.endswith(b"\r\n"):
-            self.boundary = False
-
-
 _HEX = b"0123456789abcdefABCDEF"
-
-
-class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, making `_Handler` connections and telling the request's
-    `ConnectDeadline` that it has its connection (made, or taken from the pool). aiohttp's
-    trace hooks could tell it too, but a session with a trace config sends every request's
-    ~8 trace signals (an object and an await each) to learn this one."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if getattr(self, "_factory", None) is not None:  # aiohttp 3.14's protocol factory
-            self._factory = functools.partial(_Handler, loop=self._loop)
-
-    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
-        conn = await super().connect(req, traces, timeout)
-        if (deadline := _DEADLINE.get()) is not None:
-            deadline.set()
-        return conn
-
-
-class _TakingReader(aiohttp.StreamReader):
-    """aiohttp's body reader that offers each chunk to its taker (`StreamResponse.take`)
-    before buffering it for `readany`. The parser calls `feed_data` for every decoded
-    chunk; a chunk is offered only while nothing is buffered, so the order holds.
-    Installed by class assignment: aiohttp makes its reader itself, and this subclass
-    adds no slot."""
-
-    __slots__ = ()
-
-    def feed_data(self, data: bytes, size: int = 0) -> bool:
-        resp = _TAKERS.get(self)
-        if resp is not None and data and not self._buffer and resp.taker(data):
-            self.total_bytes += len(data)
-            self._cursor += len(data)  # read, as far as aiohttp's chunk bookkeeping goes
-            return False
-        return super().feed_data(data, size)
-
-    def end_http_chunk_receiving(self) -> None:
-        """aiohttp records where each HTTP chunk ends until a read passes it (`_cursor`),
-        stops reading the connection while more than `_high_water_chunks` (16,384 with
-        its 256 KiB read buffer) are recorded, and wakes the reader at every chunk's end.
-        With nothing buffered every recorded end was taken or read: they are forgotten
-        (taken chunks are never read: a stream stalled after its 16,384th token), and
-        there is nothing to wake the reader for (it woke, found nothing and slept again:
-        a task switch per taken chunk)."""
-        if self._buffer:
-            super().end_http_chunk_receiving()
-        elif self._http_chunk_splits:
-            self._http_chunk_splits.clear()
-        self._protocol.boundary = True
-
-    def begin_http_chunk_receiving(self) -> None:
-        self._protocol.boundary = False
-        super().begin_http_chunk_receiving()
-
-
-_READER_STATE = ("_buffer", "_cursor", "_http_chunk_splits")
-"""The reader state `_TakingReader` keeps right (aiohttp 3.14's; a reader without it gets no
-taker)."""
-
-_TAKERS: dict[aiohttp.StreamReader | None, StreamResponse] = {}
-"""Each taking reader's answer (its `taker`), until it is read to the end or closed."""
-
-
-def _never(data: bytes) -> bool:
-    return False
+HIGH_WATER = 256 * 1024
+"""Body bytes buffered for a reader that does not keep up: reading the connection pauses
+(the engine's socket fills and it waits), and resumes once they are read."""
 
 
 class Interrupt(Exception):  # noqa: N818 - a signal, not an error
     """Raised by `aiter_bytes` once the taker asked to stop reading (`StreamResponse.stop`)."""
 
 
-class StreamResponse:
-    """D's answer, opened: the status and headers are in, the body is read on demand."""
+@functools.lru_cache(maxsize=256)
+def _target(url: str) -> tuple[str, int, bool, str, bytes]:
+    """(host, port, tls, path, Host header) of an engine URL, parsed once."""
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise httpx.UnsupportedProtocol(f"not an http(s) URL: {url!r}")
+    tls = u.scheme == "https"
+    port = u.port or (443 if tls else 80)
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    return u.hostname, port, tls, path, u.netloc.encode("idna")
 
-    def __init__(self, resp: aiohttp.ClientResponse, watch: Watchdog | None = None) -> None:
-        self._resp = resp
-        self.status_code = resp.status
-        self.headers: Mapping[str, str] = resp.headers
-        self._done = False
-        self._watch = watch
-        self.limit: float | None = None
+
+@functools.lru_cache(maxsize=1)
+def _tls() -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+def _head(path: str, host: bytes, headers: Mapping[str, str], length: int) -> bytes:
+    lines = [b"POST %s HTTP/1.1\r\nHost: %s\r\nUser-Agent: %s\r\nContent-Length: %d\r\n"
+             % (path.encode(), host, USER_AGENT.encode(), length)]
+    for k, v in headers.items():
+        line = f"{k}: {v}\r\n"
+        if "\r" in line[:-2] or "\n" in line[:-2] or "\0" in line:
+            raise httpx.LocalProtocolError(f"header {k!r}: line breaks or NUL in it")
+        lines.append(line.encode("latin-1"))
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to an engine, one request at a time (`resp`).
+
+    A read that holds exactly one whole HTTP chunk of a taken answer (vLLM writes an event
+    per chunk) goes to the taker without the parser (`StreamResponse.frame`); anything
+    else (part of a chunk, several, the last, an extension) goes through the parser, and
+    so does every read while the parser is not between two chunks. `boundary` says it is:
+    the parser's chunk callbacks clear and set it, and a read that does not end in CRLF
+    clears it (a size line cut short fires no callback, and only a whole one ends in CRLF).
+    """
+
+    def __init__(self, key: tuple[str, int, bool]) -> None:
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.resp: StreamResponse | None = None
+        self.closed = False
+        self.keep = False  # the last answer ended and allows another request
+        self.idle_since = 0.0
+        self.boundary = False
+
+    # -- asyncio -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        resp = self.resp
+        if resp is None or resp.ended:  # bytes no request asked for: not HTTP as we know it
+            self.close()
+            return
+        if self.boundary and resp.taker is not None and resp.frame(data):
+            return
+        self.boundary = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            resp.fail(httpx.RemoteProtocolError(f"malformed HTTP answer: {exc}"))
+            self.close()
+            return
+        if self.boundary and not data.endswith(b"\r\n"):
+            self.boundary = False
+
+    def eof_received(self) -> bool:
+        return False  # close: a half-closed engine connection is of no further use
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        resp = self.resp
+        if resp is None or resp.ended:
+            return
+        if resp.head.done() and "content-length" not in resp.headers \
+                and "transfer-encoding" not in resp.headers:
+            resp.end()  # a body delimited by the close (RFC 9112 6.3), ended cleanly
+        else:
+            resp.fail(httpx.RemoteProtocolError(
+                f"engine closed the connection{f': {exc}' if exc else ''}"))
+
+    def pause_writing(self) -> None:  # a request is one write; nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- httptools ---------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.resp is not None
+        self.resp.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        resp = self.resp
+        assert resp is not None
+        resp.status_code = self.parser.get_status_code()
+        resp.headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                        for k, v in resp.raw_headers}
+        if not resp.head.done():
+            resp.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        assert self.resp is not None
+        self.resp.feed(body)
+
+    def on_chunk_header(self) -> None:
+        self.boundary = False
+
+    def on_chunk_complete(self) -> None:
+        self.boundary = True
+
+    def on_message_complete(self) -> None:
+        self.keep = self.parser.should_keep_alive()
+        assert self.resp is not None
+        self.resp.end()
+
+
+class StreamResponse:
+    """An engine's answer, opened: the status and headers are in, the body is read on
+    demand (`aiter_bytes`, `aread`) or handed to a taker as it arrives (`take`)."""
+
+    def __init__(self, client: StreamClient, conn: _Conn, read_s: float | None) -> None:
+        self._client = client
+        self._conn = conn
+        self._loop = asyncio.get_running_loop()
+        self.head: asyncio.Future[None] = self._loop.create_future()
+        self.status_code = 0
+        self.headers: dict[str, str] = {}
+        """Lower-case names (the router looks them up so)."""
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._buf: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self.ended = False  # the whole answer is in (or it broke: `_exc`)
+        self._exc: BaseException | None = None
+        self._stop: Interrupt | None = None
+        self._done = False  # read to its end by the caller
+        self._closed = False
+        self.taker: Callable[[bytes], bool] | None = None
+        self.total_bytes = 0
+        self.frames = 0
+        """Chunks the taker took straight from the socket (`_Conn`)."""
+        self.limit = read_s
         self.seen = -1  # body bytes when the watchdog last saw them grow
         self.since = 0.0  # loop time it saw that
         self.timed_out = False
-        self.taker: Callable[[bytes], bool] = _never
-        self.frames = 0
-        """Chunks the taker took straight from the socket (`_Handler`)."""
 
+    # -- from the connection -----------------------------------------------------------
     def frame(self, data: bytes) -> bool:
         """`data` is one whole HTTP chunk (size line, body, CRLF) and the taker took its
-        body; else False, and `data` goes through aiohttp's parser."""
+        body; else False, and `data` goes through the parser."""
         i = data.find(b"\r\n", 0, 10)
         if i <= 0 or data[:i].strip(_HEX) or data[-2:] != b"\r\n":
             return False
         n = int(data[:i], 16)
-        content = self._resp.content
-        if n == 0 or len(data) != i + n + 4 or content._buffer or not self.taker(
+        if n == 0 or len(data) != i + n + 4 or self._buf or not self.taker(  # type: ignore[misc]
                 data[i + 2:-2]):
             return False
-        content.total_bytes += n  # the watchdog's measure of progress
+        self.total_bytes += n
         self.frames += 1
         return True
 
+    def feed(self, body: bytes) -> None:
+        self.total_bytes += len(body)
+        take = self.taker
+        if take is not None and not self._buf and take(body):
+            return
+        self._buf.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER and not self._paused and self._conn.transport:
+            self._paused = True
+            self._conn.transport.pause_reading()
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if not self.head.done():
+            self.head.set_exception(exc)
+            self.head.exception()  # retrieved: a head nobody awaits any more stays quiet
+        self._exc = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    # -- the taker ---------------------------------------------------------------------
     def take(self, taker: Callable[[bytes], bool]) -> bool:
-        """Offer each chunk to `taker` as it arrives, in the connection's callback: it
-        returns True when it handled the chunk, else the chunk is buffered for
-        `aiter_bytes` (as is every later one until that buffer is read). False: this
-        answer cannot (aiohttp's reader is not the one this was written for)."""
-        content = self._resp.content
-        if type(content) is not aiohttp.StreamReader or not all(
-                hasattr(content, a) for a in _READER_STATE):
-            return False
-        try:
-            content.__class__ = _TakingReader
-        except TypeError:  # another aiohttp whose reader's layout differs: no taker
-            return False
+        """Offer each body piece to `taker` as it arrives, in the connection's callback:
+        it returns True when it handled the piece, else the piece is buffered for
+        `aiter_bytes` (as is every later one until that buffer is read)."""
         self.taker = taker
-        proto = self._resp.connection.protocol if self._resp.connection else None
-        if isinstance(proto, _Handler):
-            proto.boundary = False  # until aiohttp's parser ends a chunk
-        _TAKERS[content] = self
+        self._conn.boundary = False  # until the parser ends a chunk
         return True
 
     def untake(self) -> None:
-        """Stop offering chunks: from now on `aiter_bytes` returns each one."""
-        _TAKERS.pop(self._resp.content, None)
+        """Stop offering pieces: from now on `aiter_bytes` returns each one."""
+        self.taker = None
 
     def stop(self, why: BaseException | None = None) -> None:
-        """From the taker: stop offering chunks, and make `aiter_bytes` raise `Interrupt`
+        """From the taker: stop offering pieces, and make `aiter_bytes` raise `Interrupt`
         (from `why`) instead of returning more."""
-        content = self._resp.content
-        _TAKERS.pop(content, None)
+        self.taker = None
         exc = Interrupt()
         exc.__cause__ = why
-        content.set_exception(exc)
+        self._stop = exc
+        self._wake()
 
+    # -- the reader --------------------------------------------------------------------
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunked framing removed), but those a taker
-        handled (`take`).
-
-        The read timeout is the watchdog's (`Watchdog`): aiohttp's own re-arms a loop
-        timer on every chunk, a measurable share of the token path's CPU; the watchdog
-        reads the reader's byte count instead."""
-        content = self._resp.content
-        proto = self._resp.connection.protocol if self._resp.connection else None
-        watch = self._watch
-        if watch is not None and proto is not None and proto.read_timeout:
-            self.limit, proto.read_timeout = proto.read_timeout, None
+        handled (`take`). Bytes that came before the connection broke come before its
+        error. The read timeout is the watchdog's (`Watchdog`)."""
+        watch = self._client.watchdog
+        if self.limit:
             watch.add(self)
         try:
-            while chunk := await content.readany():
-                yield chunk
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            if rest := _buffered(content):
-                yield rest
-            if self.timed_out:
-                raise httpx.ReadTimeout(f"no bytes for {self.limit:g} s") from exc
-            raise _as_httpx(exc) from exc
+            while True:
+                if self._stop is not None:
+                    raise self._stop
+                if self._buf:
+                    chunk = self._buf.popleft()
+                    self._buffered -= len(chunk)
+                    if self._paused and self._buffered <= HIGH_WATER // 4:
+                        self._paused = False
+                        if self._conn.transport is not None:
+                            self._conn.transport.resume_reading()
+                    yield chunk
+                    continue
+                if self._exc is not None:
+                    if self.timed_out:
+                        raise httpx.ReadTimeout(f"no bytes for {self.limit:g} s") from self._exc
+                    raise self._exc
+                if self.ended:
+                    break
+                self._waiter = self._loop.create_future()
+                await self._waiter
         finally:
-            _TAKERS.pop(content, None)
-            if watch is not None:
-                watch.discard(self)
+            self.taker = None
+            watch.discard(self)
         self._done = True
+
+    async def aread(self) -> bytes:
+        return b"".join([c async for c in self.aiter_bytes()])
 
     def idle_for(self, now: float) -> float:
         """Seconds since the body last grew, as far as the watchdog's looks tell (its first
         look starts the count)."""
-        got = self._resp.content.total_bytes
-        if got != self.seen:
-            self.seen, self.since = got, now
+        if self.total_bytes != self.seen:
+            self.seen, self.since = self.total_bytes, now
         return now - self.since
 
     def expire(self) -> None:
         """The watchdog's verdict: no bytes for `limit` seconds."""
         self.timed_out = True
-        self._resp.close()
-
-    async def aread(self) -> bytes:
-        try:
-            data = await self._resp.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _as_httpx(exc) from exc
-        self._done = True
-        return data
+        self._conn.close()
 
     async def aclose(self) -> None:
         """Back to the pool when read to its end, else the connection is dropped (the
         engine then stops generating for it)."""
-        _TAKERS.pop(self._resp.content, None)
-        if self._done:
-            self._resp.release()
+        if self._closed:
+            return
+        self._closed = True
+        self.taker = None
+        conn = self._conn
+        if self._done and self._exc is None and conn.keep and not conn.closed:
+            conn.resp = None
+            self._client.put(conn)
         else:
-            self._resp.close()
+            conn.close()
 
 
 class Watchdog:
@@ -331,52 +373,91 @@ class Watchdog:
 
 WATCH_MAX_S = 1.0
 USER_AGENT = "kvferry-router"
-"""Sent on every leg (a request that names its agent skips aiohttp's slow path for
-`skip_auto_headers`: a header copy and a sort per request)."""
 
 
 class StreamClient:
-    """One aiohttp session per router app (made inside its event loop)."""
+    """The legs' connections, pooled per engine (one client per router app, made inside
+    its event loop). At most `max_connections` idle connections are kept per engine, each
+    for `keepalive_s` (under the engines' own keep-alive: uvicorn closes after 5 s)."""
 
     def __init__(self, max_connections: int, keepalive_s: float) -> None:
-        connector = _Connector(limit=max_connections, limit_per_host=0,
-                               keepalive_timeout=keepalive_s, enable_cleanup_closed=False)
-        # trust_env=False: proxy variables must never divert engine traffic.
-        self.session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
+        self._max_idle = max(1, max_connections)
+        self._keepalive_s = keepalive_s
         self.watchdog = Watchdog()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def post(self, url: str, content: bytes, headers: Mapping[str, str],
-                   timeout: httpx.Timeout) -> StreamResponse:
-        """Send the request; returns once the status line and headers are in.
+    def put(self, conn: _Conn) -> None:
+        """A connection whose answer was read to its end, for the next request."""
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) >= self._max_idle:
+            conn.close()
+            return
+        conn.idle_since = asyncio.get_running_loop().time()
+        idle.append(conn)
 
-        The connect timeout is this client's own, not aiohttp's: a loop that was busy
-        (or a process that got no CPU) past the deadline runs its expired timers before
-        it polls the socket that connected long ago, so aiohttp's timer would fail a leg
-        whose engine answered at once. Here a timeout is declared only after the loop
-        has polled I/O past the deadline (`ConnectDeadline`)."""
-        t = _read_timeout(timeout.read)
-        deadline = ConnectDeadline(timeout.connect) if timeout.connect is not None else None
-        armed = _DEADLINE.set(deadline)
+    def _pooled(self, key: tuple[str, int, bool]) -> _Conn | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        now = asyncio.get_running_loop().time()
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely to be closing
+            if not conn.closed and now - conn.idle_since < self._keepalive_s:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, key: tuple[str, int, bool], connect_s: float | None) -> _Conn:
+        """A new connection; the connect timeout counts time the router could act in
+        (`ConnectDeadline`): a loop that was busy past the deadline runs its expired timers
+        before it polls the socket that connected long ago."""
+        host, port, tls = key
+        loop = asyncio.get_running_loop()
+        deadline = ConnectDeadline(connect_s) if connect_s is not None else None
         try:
-            resp = await self.session.post(
-                _url(url), data=content, headers={**headers, "User-Agent": USER_AGENT}, timeout=t,
-                allow_redirects=False)
+            _, conn = await loop.create_connection(
+                lambda: _Conn(key), host, port,
+                ssl=_tls() if tls else None, server_hostname=host if tls else None)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if deadline is not None and deadline.fired and task is not None \
                     and task.uncancel() == 0:  # only the deadline cancelled it
-                raise _as_httpx(aiohttp.ConnectionTimeoutError(
-                    f"no connection within {timeout.connect:g} s")) from None
+                raise httpx.ConnectTimeout(f"no connection within {connect_s:g} s") from None
             raise
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _as_httpx(exc) from exc
+        except OSError as exc:
+            raise httpx.ConnectError(f"{type(exc).__name__}: {exc}") from exc
         finally:
-            _DEADLINE.reset(armed)
             if deadline is not None:
                 deadline.stop()
         if deadline is not None and deadline.fired and (task := asyncio.current_task()):
-            task.uncancel()  # aiohttp finished all the same: no cancel may stay pending
-        return StreamResponse(resp, self.watchdog)
+            task.uncancel()  # connected all the same: no cancel may stay pending
+        return conn
+
+    async def post(self, url: str, content: bytes, headers: Mapping[str, str],
+                   timeout: httpx.Timeout) -> StreamResponse:
+        """Send the request; returns once the status line and headers are in."""
+        host, port, tls, path, host_hdr = _target(url)
+        key = (host, port, tls)
+        req = _head(path, host_hdr, headers, len(content)) + content
+        conn = self._pooled(key) or await self._connect(key, timeout.connect)
+        resp = StreamResponse(self, conn, timeout.read)
+        conn.resp, conn.keep = resp, False
+        assert conn.transport is not None
+        conn.transport.write(req)
+        try:
+            if timeout.read is None:
+                await resp.head
+            else:
+                async with asyncio.timeout(timeout.read):
+                    await resp.head
+        except TimeoutError:
+            conn.close()
+            raise httpx.ReadTimeout(f"no answer within {timeout.read:g} s") from None
+        except BaseException:
+            conn.close()
+            raise
+        return resp
 
     async def fetch(self, url: str, content: bytes, headers: Mapping[str, str],
                     timeout: httpx.Timeout) -> Answer:
@@ -389,7 +470,10 @@ class StreamClient:
 
     async def close(self) -> None:
         self.watchdog.close()
-        await self.session.close()
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
 
 
 class Answer:
