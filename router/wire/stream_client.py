@@ -275,10 +275,8 @@ class StreamResponse:
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunked framing removed), but those a taker
         handled (`take`). Bytes that came before the connection broke come before its
-        error. The read timeout is the watchdog's (`Watchdog`)."""
+        error. The read timeout is the watchdog's (`Watchdog`, from `StreamClient.post`)."""
         watch = self._client.watchdog
-        if self.limit:
-            watch.add(self)
         try:
             while True:
                 if self._stop is not None:
@@ -309,10 +307,11 @@ class StreamResponse:
         return b"".join([c async for c in self.aiter_bytes()])
 
     def idle_for(self, now: float) -> float:
-        """Seconds since the body last grew, as far as the watchdog's looks tell (its first
-        look starts the count)."""
-        if self.total_bytes != self.seen:
-            self.seen, self.since = self.total_bytes, now
+        """Seconds since the answer last grew (its head, then its body), as far as the
+        watchdog's looks tell (its first look starts the count)."""
+        got = self.total_bytes + (self.status_code > 0)
+        if got != self.seen:
+            self.seen, self.since = got, now
         return now - self.since
 
     def expire(self) -> None:
@@ -327,6 +326,7 @@ class StreamResponse:
             return
         self._closed = True
         self.taker = None
+        self._client.watchdog.discard(self)
         conn = self._conn
         if self._done and self._exc is None and conn.keep and not conn.closed:
             conn.resp = None
@@ -443,18 +443,19 @@ class StreamClient:
         conn = self._pooled(key) or await self._connect(key, timeout.connect)
         resp = StreamResponse(self, conn, timeout.read)
         conn.resp, conn.keep = resp, False
+        if resp.limit:
+            self.watchdog.add(resp)  # the read timeout, from the wait for the head on
         assert conn.transport is not None
         conn.transport.write(req)
         try:
-            if timeout.read is None:
-                await resp.head
-            else:
-                async with asyncio.timeout(timeout.read):
-                    await resp.head
-        except TimeoutError:
-            conn.close()
-            raise httpx.ReadTimeout(f"no answer within {timeout.read:g} s") from None
+            await resp.head
+        except httpx.HTTPError:
+            self.watchdog.discard(resp)
+            if resp.timed_out:
+                raise httpx.ReadTimeout(f"no answer within {timeout.read:g} s") from None
+            raise
         except BaseException:
+            self.watchdog.discard(resp)
             conn.close()
             raise
         return resp
