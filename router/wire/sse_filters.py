@@ -6,7 +6,6 @@ engine field are parsed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -133,8 +132,8 @@ class EngineFieldFilter:
         lines = event.splitlines()
         data_lines = [ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")]
         try:
-            obj = json.loads(b"\n".join(data_lines))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            obj = bodies.decode(b"\n".join(data_lines))  # msgspec, as vLLM writes it back
+        except ValueError:
             return event  # not JSON: no object field to remove
         removed = bodies.scrub_engine_fields(obj)
         if not removed:
@@ -145,7 +144,7 @@ class EngineFieldFilter:
             self._on_params(params)
             self._on_params = None
         other = [ln for ln in lines if not ln.startswith(b"data:")]
-        return b"\n".join([*other, b"data: " + json.dumps(obj, separators=(",", ":")).encode()])
+        return b"\n".join([*other, b"data: " + bodies.encode(obj)])
 
 
 class ChainedFilter:

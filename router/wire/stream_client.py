@@ -338,8 +338,9 @@ class StreamResponse:
 class Watchdog:
     """Read timeouts of open streams, checked a few times per timeout instead of a loop
     timer re-armed on every chunk; a stream whose body did not grow for its limit is
-    closed (ReadTimeout). It looks every quarter limit and dates growth by its looks, so a
-    stalled stream ends between 1x and 1.5x its limit after its last bytes."""
+    closed (ReadTimeout). It looks every quarter limit and dates growth by its looks (a new
+    stream's count starts at its first look), so a stalled stream ends between 1x and 1.5x
+    its limit after its last bytes."""
 
     def __init__(self) -> None:
         self._streams: set[StreamResponse] = set()
@@ -347,10 +348,11 @@ class Watchdog:
         self._period = WATCH_MAX_S
 
     def add(self, s: StreamResponse) -> None:
+        """Watch `s` (its count starts at the next look: `StreamResponse.seen` is -1)."""
         self._streams.add(s)
-        s.idle_for(asyncio.get_running_loop().time())  # the count starts now
         assert s.limit is not None
-        self._period = min(self._period, max(0.01, s.limit / 4))
+        if s.limit < 4 * self._period:
+            self._period = max(0.01, s.limit / 4)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
