@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
-
-from kvferry.router.wire.stream_client import StreamClient
+from helpers_raw_engine import take_then_read
 
 N = 40_000  # chunks: well past aiohttp 3.14's 16,384 recorded chunk ends (the old bound)
-
-
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
 BURST = 500  # events per write: the reader's buffer empties between bursts
@@ -31,27 +26,9 @@ def _bursts(n: int) -> list[bytes]:
 async def _stream(take_first: int | None) -> tuple[bytes, int, int]:
     """(the body's bytes in the order they came, pieces taken, pieces read) of one N-chunk
     answer; the taker takes the first `take_first` pieces (None: all) and declines the rest
-    (a client socket that filled up). A taker is offered pieces only while nothing is buffered, so pieces
-    taken and read, in the order they came, are the body."""
-    bursts = _bursts(N)
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(HEAD)
-        await writer.drain()
-        await asyncio.sleep(0.3)  # the body once the router holds the answer: all offered
-        for burst in bursts:
-            writer.write(burst)
-            await writer.drain()
-            await asyncio.sleep(0.002)
-        await reader.read()  # until the client closes
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    client = StreamClient(max_connections=4, keepalive_s=5)
+    (a client socket that filled up)."""
     got: list[bytes] = []
-    offered = taken = read = 0
+    offered = taken = 0
 
     def take(chunk: bytes) -> bool:
         nonlocal offered, taken
@@ -62,18 +39,8 @@ async def _stream(take_first: int | None) -> tuple[bytes, int, int]:
         taken += 1
         return True
 
-    try:
-        resp = await client.post(f"http://127.0.0.1:{port}/v1/completions", b"{}", {},
-                                 httpx.Timeout(5.0, read=5.0))
-        assert resp.take(take)
-        async for chunk in resp.aiter_bytes():
-            got.append(chunk)
-            read += 1
-        await resp.aclose()
-    finally:
-        await client.close()
-        server.close()
-    return b"".join(got), taken, read
+    await take_then_read(_bursts(N), 0.002, take, got)
+    return b"".join(got), taken, len(got) - taken
 
 
 @pytest.mark.parametrize("take_first", [None, N // 2], ids=["all_taken", "taken_then_read"])

@@ -1,4 +1,4 @@
-"""The decode leg's socket fast path (router/wire/stream_client.py `_Conn`): a read that
+"""The decode leg's socket fast path (router/wire/engine_conn.py `EngineConn`): a read that
 holds exactly one whole HTTP chunk goes to the taker without the HTTP parser; every other
 read goes through the parser. Whatever way TCP cuts the body (size lines cut short, several
 chunks in one read, chunk extensions, bodies holding CRLF), the taker gets the body's bytes
@@ -9,12 +9,8 @@ from __future__ import annotations
 import asyncio
 import random
 
-import httpx
 import pytest
-
-from kvferry.router.wire.stream_client import StreamClient
-
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+from helpers_raw_engine import take_then_read
 
 
 def _events(n: int, rng: random.Random) -> list[bytes]:
@@ -31,27 +27,9 @@ def _frame(event: bytes, ext: bool = False) -> bytes:
 
 async def _run(writes: list[bytes], pause_s: float, decline_every: int = 0
                ) -> tuple[bytes, int, int]:
-    """(what the taker got, chunks taken from the socket, the reader's byte count). The
+    """(what the taker got, chunks taken from the socket, the answer's byte count). The
     taker declines every `decline_every`th offer (a client socket that is full): that
     piece and what follows while it is buffered are read instead."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(HEAD)
-        await writer.drain()
-        await asyncio.sleep(0.2)  # the answer is taken before its body comes
-        for w in writes:
-            writer.write(w)
-            await writer.drain()
-            await asyncio.sleep(pause_s)
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        await reader.read()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    client = StreamClient(max_connections=4, keepalive_s=5)
     got: list[bytes] = []
     offers = 0
 
@@ -63,18 +41,8 @@ async def _run(writes: list[bytes], pause_s: float, decline_every: int = 0
         got.append(chunk)
         return True
 
-    try:
-        resp = await client.post(f"http://127.0.0.1:{port}/v1/completions", b"{}", {},
-                                 httpx.Timeout(5.0, read=5.0))
-        assert resp.take(take)
-        async for chunk in resp.aiter_bytes():
-            got.append(chunk)
-        total = resp.total_bytes
-        await resp.aclose()
-    finally:
-        await client.close()
-        server.close()
-    return b"".join(got), resp.frames, total
+    resp = await take_then_read([*writes, b"0\r\n\r\n"], pause_s, take, got)
+    return b"".join(got), resp.frames, resp.total_bytes
 
 
 def _loop_run(coro, loop: str):  # noqa: ANN001, ANN202 - the router's loop and asyncio's

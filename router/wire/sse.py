@@ -21,8 +21,9 @@ from starlette.types import Receive, Scope, Send
 
 from ..errors import RouterError, error_body, from_transport
 from .direct_body import DirectBody, direct_body
+from .engine_conn import Interrupt, StreamResponse
 from .sse_filters import DONE, DONE_EVENT, ChunkFilter
-from .stream_client import Interrupt, LegResponse, StreamResponse
+from .stream_client import LegResponse
 
 log = logging.getLogger(__name__)
 
